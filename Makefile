@@ -1,0 +1,15 @@
+# `make up` runs the embedded default deployment; `make test` runs the test suite.
+# Both set up their own environment first (scripts/bootstrap.sh; safe to repeat).
+.PHONY: setup up test proto
+
+setup:
+	@scripts/bootstrap.sh
+
+up: setup
+	.venv/bin/prfaas up
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+proto: setup
+	.venv/bin/python scripts/gen_proto.py

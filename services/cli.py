@@ -1,0 +1,53 @@
+"""The `prfaas` command: one entry point, one sub-command per job.
+
+Each sub-command lives next to the code it runs and exposes ``register(subparsers)``,
+which adds its parser and sets ``func`` (called with the parsed args, returns an exit code).
+Modules are imported only to build the parser, so they keep heavy imports (vLLM, torch)
+inside the functions that need them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+COMMAND_MODULES = (
+    "services.launcher.cli",        # up
+    "services.router.cli",          # router
+    "services.prefill_worker.cli",  # prefill-worker
+    "services.decode_worker.cli",   # decode-worker
+    "services.planner.cli",         # plan
+    "services.simulator.cli",       # simulate
+    "services.loadgen.cli",         # bench
+    "services.models.cli",          # model
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prfaas",
+        description="PrfaaS: Prefill-as-a-Service LLM serving (router, prefill and decode workers, "
+        "cache pool), capacity planning and load testing.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        if _exists(name):  # TEMP until all command modules land
+            importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Deployment configuration: one YAML file per deployment, loaded into frozen dataclasses."""
+from services.config.load import ConfigError, load_config, parse_config
+from services.config.schema import (
+    DeploymentConfig,
+    EngineConfig,
+    LoggingConfig,
+    ModelConfig,
+    RouterConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+
+__all__ = [
+    "ConfigError",
+    "DeploymentConfig",
+    "EngineConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RouterConfig",
+    "SchedulerConfig",
+    "WorkerConfig",
+    "load_config",
+    "parse_config",
+]

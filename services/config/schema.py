@@ -1,0 +1,123 @@
+"""The deployment configuration tree. Every field's ``help`` is its documentation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.config.errors import ConfigError
+
+
+def _opt(default, help: str, **kwargs):
+    if isinstance(default, (dict, list)):
+        kind = type(default)
+        return field(default_factory=lambda: kind(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str = _opt("smollm2-135m-instruct", "Model name clients pass as `model` in API calls.")
+    path: str = _opt(
+        "builtin:smollm2-135m-instruct",
+        "Checkpoint directory (Hugging Face layout), or `builtin:smollm2-135m-instruct` / "
+        "`builtin:tiny-qwen3-next` to prepare an embedded model on first use.",
+    )
+    max_model_len: int = _opt(2048, "Context window in tokens (prompt + output).")
+    dtype: str = _opt("bfloat16", "Weight and activation dtype passed to vLLM.")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    enforce_eager: bool = _opt(True, "Skip torch.compile and CUDA graphs (fast start; slower steps on GPU).")
+    cpu_kvcache_space_gib: int = _opt(1, "KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory vLLM may use on GPU hosts.")
+    max_num_seqs: int = _opt(64, "Most requests one engine runs at once.")
+    max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's default when null.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
+    seed: int = _opt(0, "Engine random seed (sampling without a per-request seed).")
+
+
+def _required(help: str):
+    return field(metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    name: str = _required("Unique worker name, used in logs, metrics and `prfaas <service> --name`.")
+    service: Literal["prefill_worker", "decode_worker"] = _opt(
+        "decode_worker",
+        "`prefill_worker`: a PrfaaS-cluster prefill worker; `decode_worker`: a local PD-cluster worker.",
+    )
+    role: Literal["prefill", "decode", "both"] = _opt(
+        "both", "For decode workers: `prefill` (PD-P), `decode` (PD-D) or `both`."
+    )
+    cluster: Literal["prfaas", "local"] = _opt("local", "Which cluster the worker belongs to.")
+    host: str = _opt("127.0.0.1", "Address the worker's gRPC server binds and the router dials.")
+    port: int = _required("gRPC port of the worker.")
+    engine: dict = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = _opt("127.0.0.1", "Address the OpenAI-compatible HTTP endpoint binds.")
+    port: int = _opt(8000, "HTTP port of the endpoint (`/v1/*`, `/health`, `/metrics`).")
+    api_keys: tuple[str, ...] = _opt((), "Accepted bearer tokens; empty (and no env keys) means no authentication.")
+    api_keys_env: str = _opt("PRFAAS_API_KEYS", "Environment variable with more accepted keys, comma-separated.")
+    connect_timeout_s: float = _opt(5.0, "Deadline for reaching a worker before trying another.")
+    first_token_timeout_s: float = _opt(300.0, "Deadline for a worker's first token.")
+    request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
+    stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
+    max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    offload_threshold_tokens: int = _opt(
+        1024, "Prompts whose uncached part is longer than this prefill on the PrfaaS cluster."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level of every service.")
+    json: bool = _opt(False, "One JSON object per log line instead of plain text.")
+    dir: str = _opt("logs", "Directory of per-service log files written by `prfaas up`.")
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    model: ModelConfig = _opt(ModelConfig(), "The served model.")
+    engine: EngineConfig = _opt(EngineConfig(), "vLLM engine settings shared by all workers.")
+    router: RouterConfig = _opt(RouterConfig(), "The OpenAI-compatible router.")
+    workers: tuple[WorkerConfig, ...] = _opt((), "The prefill and decode workers.")
+    scheduler: SchedulerConfig = _opt(SchedulerConfig(), "Where each request's prefill runs.")
+    logging: LoggingConfig = _opt(LoggingConfig(), "Logging of every service.")
+
+    def validate(self) -> None:
+        names = [w.name for w in self.workers]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise ConfigError(f"workers[{i}].name: duplicate worker name {name!r}")
+        endpoints = [(self.router.host, self.router.port)] + [(w.host, w.port) for w in self.workers]
+        for i, endpoint in enumerate(endpoints[1:]):
+            if endpoint in endpoints[: i + 1]:
+                raise ConfigError(f"workers[{i}].port: {endpoint[0]}:{endpoint[1]} is already used")
+        if not any(w.service == "decode_worker" and w.role != "prefill" for w in self.workers):
+            raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
+        for i, worker in enumerate(self.workers):
+            if not 0 < worker.port < 65536:
+                raise ConfigError(f"workers[{i}].port: {worker.port} is not a TCP port")
+            unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")
+
+    def worker(self, name: str) -> WorkerConfig:
+        for worker in self.workers:
+            if worker.name == name:
+                return worker
+        raise ConfigError(f"no worker named {name!r} (configured: {', '.join(w.name for w in self.workers)})")
+
+    def engine_for(self, worker: WorkerConfig) -> EngineConfig:
+        from dataclasses import replace
+
+        return replace(self.engine, **worker.engine)

@@ -1,0 +1,54 @@
+"""gRPC servicer of the decode worker: converts protobuf and calls the engine."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from prfaas.v1 import worker_pb2 as pb
+from prfaas.v1 import worker_pb2_grpc as pb_grpc
+
+from services.engine import convert
+from services.engine.engine import Engine
+from services.engine.serve import WorkerIdentity
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, engine: Engine, identity: WorkerIdentity) -> None:
+        self._engine = engine
+        self._identity = identity
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Streams the request's output; a cancelled call aborts it in the engine."""
+        generate_input = convert.generate_input_from_proto(request)
+        if not generate_input.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        logger.debug("request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
+        stream = self._engine.generate(generate_input)
+        try:
+            async for delta in stream:
+                yield convert.delta_to_proto(delta)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            await stream.aclose()
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return stats_message(self._engine, self._identity)
+
+
+def stats_message(engine: Engine, identity: WorkerIdentity) -> pb.WorkerStats:
+    return convert.stats_to_proto(
+        engine.stats(),
+        worker_name=identity.worker_name,
+        service=identity.service,
+        role=identity.role,
+        model=identity.model,
+        max_model_len=engine.max_model_len if engine.started else 0,
+    )
+
+
+def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity), server)
+    return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

@@ -1,0 +1,1 @@
+"""The vLLM engine as the workers use it: a small wrapper around vLLM's AsyncLLM."""

@@ -1,0 +1,104 @@
+"""A vLLM AsyncLLM engine behind a small interface the workers and tests share."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """One vLLM engine. ``start`` blocks until the engine is ready (~30 s for a tiny model on CPU)."""
+
+    def __init__(self, engine_args: Any) -> None:
+        self._engine_args = engine_args
+        self._llm = None
+        self._stats = EngineStats()
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(
+            self._engine_args, stat_loggers=[self._stat_logger_factory()]
+        )
+        logger.info("engine ready: %s", self._engine_args.model)
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return self._llm.model_config.max_model_len
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+        """Stream one request's output step by step. Closing the iterator aborts the request."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        params = sampling_params(request.sampling)
+        async for output in self._llm.generate(prompt, params, request.request_id):
+            yield _delta(output)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _stat_logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self._stats
+
+        class _Recorder(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    stats.num_running_requests = scheduler_stats.num_running_reqs
+                    stats.num_waiting_requests = scheduler_stats.num_waiting_reqs
+                    stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+                if iteration_stats is not None:
+                    stats.num_finished_requests += len(iteration_stats.finished_requests)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Recorder
+
+
+def sampling_params(sampling: Sampling):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _delta(output) -> TokenDelta:
+    completion = output.outputs[0]
+    return TokenDelta(
+        text=completion.text,
+        token_ids=tuple(completion.token_ids),
+        finish_reason=completion.finish_reason if output.finished else None,
+        num_prompt_tokens=len(output.prompt_token_ids or ()),
+        num_cached_tokens=output.num_cached_tokens or 0,
+    )

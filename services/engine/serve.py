@@ -1,0 +1,105 @@
+"""Process runtime shared by both worker services: gRPC server, health, engine, shutdown.
+
+The gRPC server starts first and reports NOT_SERVING on the standard health service until the
+engine is ready, so orchestrators can probe liveness during the ~30 s engine start. SIGTERM or
+SIGINT stops accepting new calls and gives in-flight ones ``grace_s`` to finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.config import DeploymentConfig, WorkerConfig
+from services.engine.args import engine_args
+from services.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ENGINE_WATCH_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_name: str
+    service: str
+    role: str
+    model: str
+
+    @classmethod
+    def of(cls, config: DeploymentConfig, worker: WorkerConfig) -> "WorkerIdentity":
+        return cls(worker.name, worker.service, worker.role, config.model.name)
+
+
+AddServicer = Callable[[Engine, WorkerIdentity, grpc.aio.Server], str]
+
+
+async def serve_worker(
+    config: DeploymentConfig, worker: WorkerConfig, add_servicer: AddServicer, grace_s: float = 30.0
+) -> None:
+    """Run one worker until SIGTERM/SIGINT. ``add_servicer`` registers the service, returns its name."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    engine = Engine(engine_args(config.model, config.engine_for(worker)))
+    service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server)
+    address = f"{worker.host}:{worker.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind gRPC port {address}")
+    await server.start()
+    logger.info("%s %s listening on %s; starting engine", worker.service, worker.name, address)
+    stop = _stop_event()
+    try:
+        await _start_engine(engine, stop)
+        if stop.is_set():
+            return
+        await _set_health(health_servicer, service_name, SERVING)
+        logger.info("%s %s ready", worker.service, worker.name)
+        await _watch_engine(engine, stop)
+        await _set_health(health_servicer, service_name, NOT_SERVING)
+        logger.info("%s %s stopping: draining for up to %.0f s", worker.service, worker.name, grace_s)
+        await server.stop(grace_s)
+    finally:
+        await server.stop(0)
+        engine.shutdown()
+        logger.info("%s %s stopped", worker.service, worker.name)
+
+
+async def _start_engine(engine: Engine, stop: asyncio.Event) -> None:
+    start = asyncio.ensure_future(engine.start())
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not start.done():
+        start.cancel()
+        return
+    start.result()
+
+
+async def _watch_engine(engine: Engine, stop: asyncio.Event) -> None:
+    """Return when asked to stop; raise if the engine dies."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), ENGINE_WATCH_INTERVAL_S)
+        except TimeoutError:
+            await engine.check_health()
+
+
+async def _set_health(servicer: health.aio.HealthServicer, service_name: str, status) -> None:
+    await servicer.set("", status)
+    await servicer.set(service_name, status)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

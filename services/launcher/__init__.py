@@ -1,0 +1,1 @@
+"""`prfaas up`: every service of a deployment as child processes on one machine."""

@@ -1,0 +1,104 @@
+"""`prfaas up`: run a whole deployment on this machine (the embedded default: deploy/local.yaml)."""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
+START_TIMEOUT_S = 600.0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="start every service of a deployment on this machine (default: the embedded CPU deployment)",
+        description="Start the router and every worker of the deployment config as separate processes, "
+        "wait until all are healthy, print the endpoint, and stop them all on Ctrl-C or SIGTERM. "
+        "Each service's log goes to <logging.dir>/<name>.log.",
+    )
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help=f"deployment YAML file (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
+    parser.add_argument("--log-dir", type=Path, help="override logging.dir from the config")
+    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
+                        help="seconds to wait for every service to become healthy (default: %(default)s)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from services.config import ConfigError, load_config
+    from services.engine.args import resolve_model_path
+    from services.launcher import supervisor
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"prfaas: {exc}", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or Path(config.logging.dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"preparing model {config.model.name} ({config.model.path}) ...", flush=True)
+    resolve_model_path(config.model)
+    children = supervisor.children_for(config, args.config.resolve(), log_dir)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        for child in children:
+            child.start()
+            print(f"started {child.name} (pid {child.process.pid}), log: {child.log_path}", flush=True)
+        if not _wait_healthy(config, children, args.start_timeout, stopping):
+            return 1
+        _print_ready(config)
+        while not stopping and not any(c.exited for c in children):
+            time.sleep(0.5)
+        return _report_exit(children, stopping)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("stopping all services ...", flush=True)
+        supervisor.stop_all(children)
+        print("stopped", flush=True)
+
+
+def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
+    from services.launcher import supervisor
+
+    pending = {w.name: (w.host, w.port) for w in config.workers}
+    deadline = time.monotonic() + timeout_s
+    next_note = 0.0
+    while time.monotonic() < deadline and not stopping:
+        if failed := [c for c in children if c.exited]:
+            print(f"prfaas: {failed[0].name} exited during start-up; last log lines:\n{failed[0].log_tail()}",
+                  file=sys.stderr)
+            return False
+        pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a)}
+        if not pending and supervisor.router_healthy(config.router.host, config.router.port):
+            return True
+        if time.monotonic() >= next_note:
+            waiting = ", ".join(pending) or "router"
+            print(f"waiting for {waiting} (vLLM engines take ~30-60 s to start on CPU) ...", flush=True)
+            next_note = time.monotonic() + 10
+        time.sleep(1.0)
+    if not stopping:
+        print(f"prfaas: services not healthy after {timeout_s:.0f} s; see the logs", file=sys.stderr)
+    return False
+
+
+def _print_ready(config) -> None:
+    base = f"http://{config.router.host}:{config.router.port}"
+    print(f"\nPrfaaS is up: {base}/v1 (model {config.model.name})")
+    print(f"metrics: {base}/metrics    health: {base}/health    Ctrl-C stops everything\n")
+    print(f"""try:
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{config.model.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+""", flush=True)
+
+
+def _report_exit(children, stopping: list) -> int:
+    if stopping:
+        return 0
+    dead = next(c for c in children if c.exited)
+    print(f"prfaas: {dead.name} exited (code {dead.process.returncode}); last log lines:\n{dead.log_tail()}",
+          file=sys.stderr)
+    return 1

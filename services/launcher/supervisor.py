@@ -1,0 +1,96 @@
+"""Start a deployment's services as child processes, wait for health, stop them all cleanly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import DeploymentConfig
+
+STOP_TIMEOUT_S = 40.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    log_file: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> list[Child]:
+    base = [sys.executable, "-m", "services.cli"]
+    children = []
+    for worker in config.workers:
+        command = "prefill-worker" if worker.service == "prefill_worker" else "decode-worker"
+        argv = base + [command, "--config", str(config_path), "--name", worker.name]
+        children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log"))
+    children.append(Child("router", base + ["router", "--config", str(config_path)], log_dir / "router.log"))
+    return children
+
+
+def worker_serving(host: str, port: int) -> bool:
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def router_healthy(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every child's process group, wait, then SIGKILL what is left."""
+    for child in reversed(children):
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)
+        child.process.wait()
+        child.log_file.close()
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    if child.process is None:
+        return
+    try:
+        os.killpg(child.process.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,46 @@
+"""Logging set-up shared by every service: plain text or one JSON object per line."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s [%(service)s] %(name)s: %(message)s"
+
+
+class _ServiceFilter(logging.Filter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.service = self.service
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": getattr(record, "service", ""),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id:
+            entry["request_id"] = request_id
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(service: str, level: str = "info", json_lines: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_ServiceFilter(service))
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(PLAIN_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

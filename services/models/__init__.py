@@ -1,0 +1,1 @@
+"""Checkpoints PrfaaS prepares for itself: the embedded small chat model and test models."""

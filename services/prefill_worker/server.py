@@ -1,0 +1,52 @@
+"""gRPC servicer of the PrfaaS prefill worker: converts protobuf and calls the engine."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+from prfaas.v1 import worker_pb2 as pb
+from prfaas.v1 import worker_pb2_grpc as pb_grpc
+
+from services.decode_worker.server import stats_message
+from services.engine.engine import Engine
+from services.engine.serve import WorkerIdentity
+from services.engine.types import GenerateInput, Sampling
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: Engine, identity: WorkerIdentity) -> None:
+        self._engine = engine
+        self._identity = identity
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        """Computes the prompt's KV (one output token). Returns when the prefill is done."""
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        started = time.perf_counter()
+        prefill = GenerateInput(
+            request.request_id, list(request.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0)
+        )
+        last = None
+        try:
+            async for delta in self._engine.generate(prefill):
+                last = delta
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        elapsed = time.perf_counter() - started
+        logger.debug("request %s: prefilled %d tokens in %.3f s", request.request_id, last.num_prompt_tokens, elapsed)
+        return pb.PrefillResponse(
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            prefill_seconds=elapsed,
+        )
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return stats_message(self._engine, self._identity)
+
+
+def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
+    return pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP endpoint (aiohttp on uvloop)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.engine.types import GenerateInput
+from services.router.dispatch import Dispatcher, WorkerFailed
+from services.router.errors import ApiError, bad_request, invalid_api_key
+from services.router.metrics import RouterMetrics
+from services.router.openai_api import ApiRequest, parse_request, with_max_tokens
+from services.router.responses import ResponseShape, Usage
+from services.router.tokenizer import PromptTokenizer
+from services.router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = ("/health", "/metrics")
+
+
+class RouterApp:
+    def __init__(self, *, model_name: str, max_model_len: int, api_keys: frozenset[str],
+                 tokenizer: PromptTokenizer, pool: WorkerPool, dispatcher: Dispatcher,
+                 metrics: RouterMetrics) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.api_keys = api_keys
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    def build(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=64 << 20)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    @web.middleware
+    async def _errors_and_auth(self, request: web.Request, handler):
+        try:
+            if self.api_keys and request.path not in PUBLIC_PATHS:
+                self._authenticate(request)
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error_response(ApiError(exc.status, exc.reason or "error", code=str(exc.status)))
+        except Exception:
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return _error_response(ApiError(500, "Internal server error", type="server_error"))
+
+    def _authenticate(self, request: web.Request) -> None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or token.strip() not in self.api_keys:
+            raise invalid_api_key()
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "prfaas",
+                "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        workers = {h.name: h.healthy for h in self.pool.handles}
+        ok = self.pool.any_healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers},
+                                 status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        started = time.monotonic()
+        endpoint = request.path
+        status = 500
+        try:
+            api_request = parse_request(await _json_body(request), kind, self.model_name)
+            generate_input = await self._generate_input(api_request, request)
+            shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
+            if api_request.stream:
+                response = await self._stream(request, api_request, generate_input, shape, started)
+            else:
+                response = await self._complete(generate_input, shape, started)
+            status = response.status
+            return response
+        except ApiError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.e2e.observe(time.monotonic() - started)
+
+    async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:
+        prompt_ids = await self.tokenizer.encode(api_request)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1 or (api_request.max_tokens or 1) > room:
+            wanted = api_request.max_tokens or 1
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
+                param="messages" if api_request.kind == "chat" else "prompt", code="context_length_exceeded")
+        prefix = "chatcmpl" if api_request.kind == "chat" else "cmpl"
+        request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        sampling = with_max_tokens(api_request.sampling, api_request.max_tokens or room)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return GenerateInput(request_id, prompt_ids, sampling)
+
+    async def _complete(self, generate_input: GenerateInput, shape: ResponseShape, started: float) -> web.Response:
+        usage = Usage(len(generate_input.prompt_token_ids))
+        texts, finish_reason = [], None
+        stream = _Timed(self.dispatcher.generate(generate_input), self.metrics, started, usage)
+        try:
+            async for delta in stream:
+                texts.append(delta.text)
+                finish_reason = delta.finish_reason or finish_reason
+        except WorkerFailed as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code="worker_failed") from None
+        return web.json_response(shape.full("".join(texts), finish_reason, usage))
+
+    async def _stream(self, request: web.Request, api_request: ApiRequest, generate_input: GenerateInput,
+                      shape: ResponseShape, started: float) -> web.StreamResponse:
+        usage = Usage(len(generate_input.prompt_token_ids))
+        include_usage = api_request.include_usage
+        deltas = _Timed(self.dispatcher.generate(generate_input), self.metrics, started, usage).__aiter__()
+        first = await deltas.__anext__()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if api_request.kind == "chat":
+            await _send(response, shape.chunk(None, None, include_usage, first=True))
+        try:
+            delta = first
+            while True:
+                if delta.text or delta.finish_reason:
+                    await _send(response, shape.chunk(delta.text, delta.finish_reason, include_usage))
+                if delta.finish_reason:
+                    break
+                delta = await deltas.__anext__()
+        except WorkerFailed as exc:
+            await _send(response, ApiError(503, str(exc), type="service_unavailable", code="worker_failed").body())
+        finally:
+            await deltas.aclose()
+        if include_usage:
+            await _send(response, shape.usage_chunk(usage))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Timed:
+    """Wraps a delta stream to count usage and record TTFT and inter-token latency."""
+
+    def __init__(self, deltas, metrics: RouterMetrics, started: float, usage: Usage) -> None:
+        self._deltas = deltas
+        self._metrics = metrics
+        self._last = started
+        self._usage = usage
+
+    async def __aiter__(self):
+        try:
+            async for delta in self._deltas:
+                if delta.token_ids:
+                    now = time.monotonic()
+                    histogram = self._metrics.itl if self._usage.completion_tokens else self._metrics.ttft
+                    histogram.observe(now - self._last)
+                    self._last = now
+                    self._usage.completion_tokens += len(delta.token_ids)
+                    self._usage.cached_tokens = delta.num_cached_tokens
+                    self._metrics.generation_tokens.inc(len(delta.token_ids))
+                yield delta
+        finally:
+            await self._deltas.aclose()
+
+
+async def _json_body(request: web.Request):
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+
+
+async def _send(response: web.StreamResponse, body: dict) -> None:
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)

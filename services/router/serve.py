@@ -1,0 +1,62 @@
+"""Router process: load config, connect to workers, serve HTTP until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from services.config import DeploymentConfig
+from services.engine.args import resolve_model_path
+from services.router.app import RouterApp
+from services.router.dispatch import Dispatcher
+from services.router.metrics import RouterMetrics
+from services.router.tokenizer import PromptTokenizer
+from services.router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 30.0
+
+
+def api_keys(config: DeploymentConfig) -> frozenset[str]:
+    from_env = os.environ.get(config.router.api_keys_env, "")
+    return frozenset(k.strip() for k in (*config.router.api_keys, *from_env.split(",")) if k.strip())
+
+
+async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
+    metrics = RouterMetrics()
+    tokenizer = await asyncio.to_thread(PromptTokenizer, resolve_model_path(config.model))
+    pool = WorkerPool(config.workers, config.router, metrics)
+    router = RouterApp(
+        model_name=config.model.name,
+        max_model_len=config.model.max_model_len,
+        api_keys=api_keys(config),
+        tokenizer=tokenizer,
+        pool=pool,
+        dispatcher=Dispatcher(pool, config.router, metrics),
+        metrics=metrics,
+    )
+    runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    await pool.start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        logger.info("router listening on http://%s:%d (model %s, %d workers, auth %s)", host, port,
+                    config.model.name, len(config.workers), "on" if router.api_keys else "off")
+        await _wait_for_signal()
+        logger.info("router stopping")
+    finally:
+        await runner.cleanup()
+        await pool.close()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,119 @@
+"""The router's view of its workers: gRPC channels, health and stats polling, in-flight counts."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prfaas.v1 import worker_pb2 as pb
+from prfaas.v1 import worker_pb2_grpc as pb_grpc
+
+from services.config import RouterConfig, WorkerConfig
+from services.router.metrics import RouterMetrics
+from services.router.policy import WorkerView, pick_least_loaded
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    config: WorkerConfig
+    channel: grpc.aio.Channel
+    decode: pb_grpc.DecodeWorkerStub | None
+    stats_stub: object
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    num_in_flight: int = 0
+    stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            name=self.name,
+            healthy=self.healthy,
+            accepts_generate=self.decode is not None and self.config.role != "prefill",
+            num_in_flight=self.num_in_flight,
+            num_running=self.stats.num_running_requests,
+            num_waiting=self.stats.num_waiting_requests,
+            kv_cache_usage=self.stats.kv_cache_usage,
+        )
+
+
+class WorkerPool:
+    def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._handles = {w.name: _connect(w) for w in workers}
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        await asyncio.gather(*(h.channel.close() for h in self._handles.values()))
+
+    @property
+    def handles(self) -> tuple[WorkerHandle, ...]:
+        return tuple(self._handles.values())
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerHandle | None:
+        name = pick_least_loaded(tuple(h.view() for h in self._handles.values()), exclude)
+        return self._handles[name] if name else None
+
+    def mark_unreachable(self, handle: WorkerHandle) -> None:
+        """Called when a call failed to reach the worker; the next poll may bring it back."""
+        if handle.healthy:
+            logger.warning("worker %s unreachable; routing around it", handle.name)
+        handle.healthy = False
+        self._metrics.worker_up.labels(handle.name).set(0)
+
+    def any_healthy(self) -> bool:
+        return any(h.view().healthy and h.view().accepts_generate for h in self._handles.values())
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(h) for h in self._handles.values()))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.stats_interval_s)
+            await self.poll_once()
+
+    async def _poll(self, handle: WorkerHandle) -> None:
+        timeout = self._config.connect_timeout_s
+        try:
+            health = await handle.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            handle.stats = await handle.stats_stub.GetStats(pb.StatsRequest(), timeout=timeout)
+            healthy = health.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != handle.healthy:
+            logger.info("worker %s is %s", handle.name, "healthy" if healthy else "not serving")
+        handle.healthy = healthy
+        self._export(handle)
+
+    def _export(self, handle: WorkerHandle) -> None:
+        self._metrics.worker_up.labels(handle.name).set(1 if handle.healthy else 0)
+        self._metrics.worker_running.labels(handle.name).set(handle.stats.num_running_requests)
+        self._metrics.worker_kv_usage.labels(handle.name).set(handle.stats.kv_cache_usage)
+
+
+def _connect(worker: WorkerConfig) -> WorkerHandle:
+    channel = grpc.aio.insecure_channel(f"{worker.host}:{worker.port}")
+    is_decode = worker.service == "decode_worker"
+    stats_stub = pb_grpc.DecodeWorkerStub(channel) if is_decode else pb_grpc.PrefillWorkerStub(channel)
+    return WorkerHandle(
+        config=worker,
+        channel=channel,
+        decode=stats_stub if is_decode else None,
+        stats_stub=stats_stub,
+        health=health_pb2_grpc.HealthStub(channel),
+    )

@@ -68,6 +68,7 @@ def delta_from_proto(msg: pb.GenerateResponse) -> TokenDelta:
 
 def stats_to_proto(stats: EngineStats, **identity) -> pb.WorkerStats:
     return pb.WorkerStats(
+        num_active_requests=stats.num_active_requests,
         num_running_requests=stats.num_running_requests,
         num_waiting_requests=stats.num_waiting_requests,
         kv_cache_usage=stats.kv_cache_usage,

@@ -17,6 +17,7 @@ class Engine:
         self._engine_args = engine_args
         self._llm = None
         self._stats = EngineStats()
+        self._active: set[str] = set()
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -40,10 +41,15 @@ class Engine:
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         params = sampling_params(request.sampling)
-        async for output in self._llm.generate(prompt, params, request.request_id):
-            yield _delta(output)
+        self._active.add(request.request_id)
+        try:
+            async for output in self._llm.generate(prompt, params, request.request_id):
+                yield _delta(output)
+        finally:
+            self._active.discard(request.request_id)
 
     def stats(self) -> EngineStats:
+        self._stats.num_active_requests = len(self._active)
         return self._stats
 
     async def check_health(self) -> None:

@@ -1,7 +1,7 @@
 """Plain domain types that cross the worker's gRPC conversion layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +35,10 @@ class TokenDelta:
 
 @dataclass(slots=True)
 class EngineStats:
+    """Engine-reported load (updated each engine step) and the worker's own count of open requests."""
+
+    num_active_requests: int = 0
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     num_finished_requests: int = 0
-    extra: dict = field(default_factory=dict)

@@ -86,11 +86,14 @@ def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
 
 
 def _print_ready(config) -> None:
+    from services.router.serve import api_keys
+
     base = f"http://{config.router.host}:{config.router.port}"
+    auth = " -H 'Authorization: Bearer <API key>'" if api_keys(config) else ""
     print(f"\nPrfaaS is up: {base}/v1 (model {config.model.name})")
     print(f"metrics: {base}/metrics    health: {base}/health    Ctrl-C stops everything\n")
     print(f"""try:
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{config.model.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
 """, flush=True)
 

@@ -47,6 +47,12 @@ class RouterApp:
 
     @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
+        response = await self._handle(request, handler)
+        if request.path.startswith("/v1/"):
+            self.metrics.requests.labels(request.path, str(response.status)).inc()
+        return response
+
+    async def _handle(self, request: web.Request, handler):
         try:
             if self.api_keys and request.path not in PUBLIC_PATHS:
                 self._authenticate(request)
@@ -89,23 +95,14 @@ class RouterApp:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
-        endpoint = request.path
-        status = 500
+        api_request = parse_request(await _json_body(request), kind, self.model_name)
+        generate_input = await self._generate_input(api_request, request)
+        shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
         try:
-            api_request = parse_request(await _json_body(request), kind, self.model_name)
-            generate_input = await self._generate_input(api_request, request)
-            shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
             if api_request.stream:
-                response = await self._stream(request, api_request, generate_input, shape, started)
-            else:
-                response = await self._complete(generate_input, shape, started)
-            status = response.status
-            return response
-        except ApiError as exc:
-            status = exc.status
-            raise
+                return await self._stream(request, api_request, generate_input, shape, started)
+            return await self._complete(generate_input, shape, started)
         finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.e2e.observe(time.monotonic() - started)
 
     async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:

@@ -10,13 +10,14 @@ class WorkerView:
     healthy: bool
     accepts_generate: bool
     num_in_flight: int
+    num_active: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
 
     @property
     def load(self) -> int:
-        return max(self.num_in_flight, self.num_running + self.num_waiting)
+        return max(self.num_in_flight, self.num_active, self.num_running + self.num_waiting)
 
 
 def pick_least_loaded(workers: tuple[WorkerView, ...], exclude: frozenset[str] = frozenset()) -> str | None:

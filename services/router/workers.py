@@ -38,6 +38,7 @@ class WorkerHandle:
             healthy=self.healthy,
             accepts_generate=self.decode is not None and self.config.role != "prefill",
             num_in_flight=self.num_in_flight,
+            num_active=self.stats.num_active_requests,
             num_running=self.stats.num_running_requests,
             num_waiting=self.stats.num_waiting_requests,
             kv_cache_usage=self.stats.kv_cache_usage,

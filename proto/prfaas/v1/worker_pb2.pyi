@@ -71,7 +71,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests")
+    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class WorkerStats(_message.Message):
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     service: str
     role: str
@@ -90,4 +91,5 @@ class WorkerStats(_message.Message):
     num_waiting_requests: int
     kv_cache_usage: float
     num_finished_requests: int
-    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ...) -> None: ...
+    num_active_requests: int
+    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,250 @@
+"""The walking skeleton end to end: `prfaas up` processes, real vLLM, the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from services.models import smollm2
+from support.deployment import deployment_config, run_python, wait_until
+from support.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "test-key-1"
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea."]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """`prfaas up` with a prefill worker and a decode worker, API key required."""
+    directory = tmp_path_factory.mktemp("up")
+    config = deployment_config(
+        [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"},
+         {"name": "decode-0", "service": "decode_worker", "role": "both"}],
+        router={"api_keys": [API_KEY]},
+    )
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(directory / "config.yaml"),
+         "--log-dir", str(directory)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = _read_until(process, "curl ", timeout_s=300)
+    yield {"config": config, "base_url": f"http://127.0.0.1:{config['router']['port']}", "dir": directory,
+           "process": process, "startup_output": output}
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _read_until(process, marker: str, timeout_s: float) -> str:
+    lines = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError("prfaas up exited:\n" + "".join(lines))
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    process.kill()
+    raise TimeoutError("prfaas up not ready:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    return openai.OpenAI(base_url=deployment["base_url"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_up_prints_endpoint_and_sample_curl(deployment):
+    assert deployment["base_url"] + "/v1" in deployment["startup_output"]
+    assert "curl " in deployment["startup_output"]
+    assert "Authorization: Bearer" in deployment["startup_output"]
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                           max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content.strip()
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 24
+
+
+def test_text_completion_respects_max_tokens_and_stop(client):
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 12 and reply.choices[0].finish_reason == "length"
+    words = reply.choices[0].text.split()
+    stopped = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                        stop=[words[2]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert words[2] not in stopped.choices[0].text
+
+
+def test_greedy_output_matches_vllm_called_directly(client):
+    """Router path vs the same engine settings through vLLM's own offline API, token for token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.prepare())
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                              add_generation_prompt=True), add_special_tokens=False)
+               for q in QUESTIONS]
+    direct = _direct_vllm_greedy(prompts, max_tokens=32)
+    for question, expected in zip(QUESTIONS, direct):
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                               max_tokens=32, temperature=0)
+        streamed = _stream_chat(client, question)
+        assert reply.choices[0].message.content == expected["text"]
+        assert reply.usage.completion_tokens == len(expected["token_ids"])
+        assert streamed["text"] == expected["text"]
+        assert streamed["usage"].completion_tokens == len(expected["token_ids"])
+        assert streamed["usage"].prompt_tokens == reply.usage.prompt_tokens
+        assert streamed["num_content_chunks"] <= streamed["usage"].completion_tokens
+
+
+def _stream_chat(client, question: str) -> dict:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    return {"text": "".join(content), "usage": chunks[-1].usage, "num_content_chunks": len(content)}
+
+
+def _direct_vllm_greedy(prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    code = f"""
+import json
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0)
+params = SamplingParams(temperature=0, max_tokens={max_tokens})
+results = []
+for ids in {prompts!r}:
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
+    results.append({{"text": out.text, "token_ids": list(out.token_ids)}})
+print("RESULT" + json.dumps(results))
+"""
+    out = run_python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return json.loads(out.split("RESULT", 1)[1])
+
+
+def test_eight_concurrent_streams_complete(deployment):
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=16,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return chunks[-1].usage.completion_tokens, chunks[-2].choices[0].finish_reason
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=deployment["base_url"] + "/v1", api_key=API_KEY,
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    assert asyncio.run(run()) == [(16, "length")] * 8
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(deployment):
+    from support.deployment import Deployment
+
+    stats = Deployment(deployment["config"], deployment["dir"]).worker_stats
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", deployment["base_url"] + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+            assert stats("decode-0").num_active_requests == 1
+    assert wait_until(lambda: stats("decode-0").num_active_requests == 0, timeout_s=15)
+    assert wait_until(lambda: stats("decode-0").num_running_requests == 0, timeout_s=15)
+
+
+BAD_INPUTS = [
+    ("malformed JSON", "/v1/chat/completions", b"{not json", {}, 400, None),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", {}, 400, None),
+    ("missing model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {}, 400, "model"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages"),
+    ("bad temperature", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, {}, 400,
+     "temperature"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, {}, 404, "model"),
+    ("context exceeded", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4000}, {}, 400, "prompt"),
+    ("n > 1", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, {},
+     400, "n"),
+    ("missing API key", "/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": None}, 401, None),
+    ("wrong API key", "/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer nope"}, 401,
+     None),
+    ("unknown path", "/v1/embeddings", {"model": MODEL}, {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name, path, body, headers, status, param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_error(deployment, name, path, body, headers, status, param):
+    all_headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **headers}
+    all_headers = {k: v for k, v in all_headers.items() if v is not None}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = httpx.post(deployment["base_url"] + path, content=content, headers=all_headers, timeout=30)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+def test_openai_client_sees_typed_errors_and_server_keeps_serving(client, deployment):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="x " * 2100, max_tokens=2)
+    bad_key = openai.OpenAI(base_url=deployment["base_url"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens > 0
+
+
+def test_health_and_metrics_are_public(deployment):
+    health = httpx.get(deployment["base_url"] + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["workers"] == {"prefill-0": True, "decode-0": True}
+    metrics = httpx.get(deployment["base_url"] + "/metrics", timeout=10).text
+    for name in ("prfaas_router_requests_total", "prfaas_router_time_to_first_token_seconds_bucket",
+                 "prfaas_router_inter_token_latency_seconds_bucket", "prfaas_router_e2e_request_latency_seconds",
+                 "prfaas_router_prompt_tokens_total", "prfaas_router_generation_tokens_total"):
+        assert name in metrics
+    assert 'status="401"' in metrics and 'status="200"' in metrics
+
+
+def test_sigterm_stops_every_service(deployment):
+    process = deployment["process"]
+    pids = [int(line.split("(pid ")[1].split(")")[0]) for line in deployment["startup_output"].splitlines()
+            if line.startswith("started ")]
+    assert len(pids) == 3
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0
+    assert wait_until(lambda: not any(_group_alive(pid) for pid in pids), timeout_s=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live (non-zombie) process left in the process group."""
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False

@@ -1,0 +1,49 @@
+import pytest
+
+from services.config import ConfigError, load_config, parse_config
+
+VALID_WORKER = {"name": "d0", "service": "decode_worker", "port": 50071}
+
+
+def test_embedded_default_config_loads():
+    config = load_config("deploy/local.yaml")
+    assert config.model.name == "smollm2-135m-instruct"
+    assert {w.service for w in config.workers} == {"prefill_worker", "decode_worker"}
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"workers": [VALID_WORKER], "router": {"port": "x"}}, "router.port: expected int, got 'x'"),
+        ({"workers": [{**VALID_WORKER, "role": "x"}]}, "workers[0].role: 'x' is not allowed (allowed: prefill, decode, both)"),
+        ({"workers": [VALID_WORKER], "foo": 1}, "foo: unknown key"),
+        ({"workers": []}, "at least one decode_worker"),
+        ({"workers": [{"service": "decode_worker", "port": 1}]}, "workers[0].name: required key is missing"),
+        ({"workers": [VALID_WORKER, {**VALID_WORKER, "port": 50072}]}, "workers[1].name: duplicate worker name"),
+        ({"workers": [VALID_WORKER, {**VALID_WORKER, "name": "d1"}]}, "workers[1].port: 127.0.0.1:50071 is already used"),
+        ({"workers": [{**VALID_WORKER, "engine": {"bogus": 1}}]}, "workers[0].engine.bogus: unknown engine key"),
+        ({"workers": [VALID_WORKER], "router": {"api_keys": "k"}}, "router.api_keys: expected a list"),
+        ({"workers": [VALID_WORKER], "engine": {"enforce_eager": 1}}, "engine.enforce_eager: expected bool"),
+        ({"workers": [VALID_WORKER], "model": []}, "model: expected a mapping"),
+    ],
+)
+def test_bad_config_names_the_key(raw, message):
+    with pytest.raises(ConfigError) as excinfo:
+        parse_config(raw)
+    assert message in str(excinfo.value)
+
+
+def test_per_worker_engine_overrides_apply_only_to_that_worker():
+    config = parse_config({"workers": [{**VALID_WORKER, "engine": {"max_num_seqs": 4}},
+                                       {**VALID_WORKER, "name": "d1", "port": 50072}]})
+    assert config.engine_for(config.worker("d0")).max_num_seqs == 4
+    assert config.engine_for(config.worker("d1")).max_num_seqs == config.engine.max_num_seqs
+
+
+def test_unreadable_and_invalid_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)

@@ -1,0 +1,152 @@
+"""`prfaas simulate`: discrete-event simulation of PrfaaS-PD and its baselines under load."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+POLICY_CHOICES = ("all", "homogeneous", "naive", "static", "adaptive")
+
+
+def register(subparsers) -> None:
+    from services.planner.cli import DEFAULT_CONFIG
+
+    parser = subparsers.add_parser(
+        "simulate",
+        help="simulate a PrfaaS deployment under load (TTFT, throughput, queues)",
+        description="Discrete-event simulation of the planner's deployment: arrivals, PrfaaS and local "
+        "prefill queues, the cross-cluster link (optionally following a bandwidth trace) and decode "
+        "batch slots, for the homogeneous, naive, static-threshold and adaptive-threshold policies.",
+    )
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="planner input YAML (default: deploy/planner/case_study.yaml)")
+    parser.add_argument("--policy", choices=POLICY_CHOICES, default="all", help="which policy (default: all)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="offered load in requests/s")
+    load.add_argument("--load-factor", type=float,
+                      help="offered load as a fraction of the planner's PrfaaS-PD Lambda_max (default 0.9)")
+    parser.add_argument("--requests", type=int, default=50_000, help="requests to simulate (default: %(default)s)")
+    parser.add_argument("--arrivals", choices=("poisson", "onoff", "mmpp"), default="poisson",
+                        help="arrival process (default: poisson)")
+    parser.add_argument("--burst-seconds", type=float, default=30.0,
+                        help="mean length of each on/off or MMPP state (default: %(default)s)")
+    parser.add_argument("--bandwidth-trace", metavar="TRACE",
+                        help='link bandwidth steps "TIME:GBPS,..." or a file of them; TIME may be "33%%" of the run')
+    parser.add_argument("--mean-length-mode", action="store_true",
+                        help="every request of a class uses its class mean length, as the planner assumes")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    slo = parser.add_mutually_exclusive_group()
+    slo.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="absolute TTFT SLO")
+    slo.add_argument("--slo-factor", type=float, default=2.0,
+                     help="TTFT SLO as a multiple of each request's no-queue TTFT (default: %(default)s)")
+    parser.add_argument("--headroom", type=float, default=0.9,
+                        help="adaptive: fraction of the measured bandwidth offloading may use (default: %(default)s)")
+    parser.add_argument("--observe-interval", type=float, default=1.0,
+                        help="adaptive: seconds between bandwidth samples (default: %(default)s)")
+    parser.add_argument("--compare-mean-length", action="store_true",
+                        help="also report how much the mean-length simplification overstates capacity")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--plot", metavar="DIR", help="write queues.png (queue lengths over time) into DIR")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from services.planner.inputs import PlanInputError, load_plan_inputs
+    from services.planner.report import run_plan
+    from services.simulator.bandwidth import TraceError, parse_trace
+
+    problem = _check_args(args)
+    if problem:
+        return _fail(problem)
+    try:
+        inputs = load_plan_inputs(args.config)
+    except PlanInputError as exc:
+        return _fail(str(exc))
+    plan = run_plan(inputs)
+    rate = args.rate if args.rate is not None else (args.load_factor or 0.9) * plan.prfaas.lambda_max
+    try:
+        trace = parse_trace(args.bandwidth_trace, args.requests / rate) if args.bandwidth_trace else ()
+    except (TraceError, OSError) as exc:
+        return _fail(str(exc))
+    if args.plot:
+        from services.planner.plots import MatplotlibMissing, import_pyplot
+
+        try:
+            import_pyplot()
+        except MatplotlibMissing as exc:
+            return _fail(str(exc))
+    try:
+        results = _simulate_all(args, inputs, plan, rate, trace)
+    except ValueError as exc:
+        return _fail(str(exc))
+    out = {"planner": {"threshold_tokens": plan.prfaas.threshold_tokens, "n_p": plan.prfaas.num_prefill,
+                       "n_d": plan.prfaas.num_decode, "lambda_max": plan.prfaas.lambda_max},
+           "offered_rate": rate, "load_factor": rate / plan.prfaas.lambda_max,
+           "arrivals": args.arrivals, "mean_length_mode": args.mean_length_mode,
+           "bandwidth_trace": [list(p) for p in trace],
+           "policies": {r.policy: r.summary() for r in results}}
+    if args.compare_mean_length:
+        from services.simulator.capacity import mean_length_overstatement
+
+        out["mean_length_overstatement"] = mean_length_overstatement(inputs, plan, args.requests, args.seed)
+    if args.plot:
+        from services.simulator.plots import write_queue_plot
+
+        out["plots"] = [write_queue_plot(results, Path(args.plot), trace)]
+    print(json.dumps(out, indent=2) if args.json else _format(out))
+    return 0
+
+
+def _simulate_all(args, inputs, plan, rate, trace):
+    from services.simulator.engine import simulate
+    from services.simulator.setup import POLICIES, RunSpec, make_controller, topology_for, workload_of
+
+    policies = POLICIES if args.policy == "all" else (args.policy,)
+    results = []
+    for policy in policies:
+        spec = RunSpec(policy, topology_for(policy, inputs, plan), workload_of(inputs), rate, args.requests,
+                       plan.prfaas.threshold_tokens, arrivals=args.arrivals, burst_seconds=args.burst_seconds,
+                       bandwidth_trace=trace, mean_length_mode=args.mean_length_mode, seed=args.seed,
+                       ttft_slo_s=args.ttft_slo, slo_factor=args.slo_factor,
+                       observe_interval_s=args.observe_interval, progress=args.requests >= 200_000)
+        controller = make_controller(inputs, plan, headroom=args.headroom) if policy == "adaptive" else None
+        results.append(simulate(spec, controller))
+    return results
+
+
+def _check_args(args) -> str | None:
+    checks = [(args.requests >= 1, "--requests: must be at least 1"),
+              (args.rate is None or args.rate > 0, "--rate: must be positive"),
+              (args.load_factor is None or args.load_factor > 0, "--load-factor: must be positive"),
+              (args.burst_seconds > 0, "--burst-seconds: must be positive"),
+              (args.ttft_slo is None or args.ttft_slo > 0, "--ttft-slo: must be positive"),
+              (args.slo_factor > 0, "--slo-factor: must be positive"),
+              (0 < args.headroom <= 1, "--headroom: must be in (0, 1]"),
+              (args.observe_interval > 0, "--observe-interval: must be positive")]
+    return next((message for ok, message in checks if not ok), None)
+
+
+def _format(out: dict) -> str:
+    from services.simulator.capacity import format_overstatement
+    from services.simulator.results import format_table
+
+    p = out["planner"]
+    lines = [f"planner: t = {p['threshold_tokens']:,.0f} tokens, N_p = {p['n_p']}, N_d = {p['n_d']}, "
+             f"Lambda_max = {p['lambda_max']:.3f} req/s",
+             f"offered: {out['offered_rate']:.3f} req/s ({out['load_factor']:.0%} of Lambda_max), "
+             f"{out['arrivals']} arrivals, {'mean-length' if out['mean_length_mode'] else 'sampled'} lengths"
+             + (f", bandwidth trace {out['bandwidth_trace']}" if out["bandwidth_trace"] else ""),
+             "", format_table(list(out["policies"].values()))]
+    adaptive = out["policies"].get("adaptive", {}).get("threshold_range_tokens")
+    if adaptive:
+        lines.append(f"adaptive threshold ranged {adaptive[0]:,.0f} .. {adaptive[1]:,.0f} tokens")
+    if "mean_length_overstatement" in out:
+        lines += ["", format_overstatement(out["mean_length_overstatement"])]
+    if "plots" in out:
+        lines += ["", "plots: " + ", ".join(out["plots"])]
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> int:
+    print(f"prfaas simulate: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,113 @@
+"""What one simulation run models: the deployment a policy runs on, the workload, the offered load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from services.planner.distribution import TruncatedLogNormal
+from services.planner.inputs import PlanInputs, PrefixHitSpec
+from services.planner.model import PrfaasModel
+from services.planner.profiles import PiecewiseLinear, PrefillCurves
+from services.planner.report import PlanResult
+from services.scheduling.threshold import BandwidthAwareThreshold, ThresholdControllerConfig
+
+Policy = Literal["homogeneous", "naive", "static", "adaptive"]
+POLICIES: tuple[Policy, ...] = ("homogeneous", "naive", "static", "adaptive")
+ARRIVALS = ("poisson", "onoff", "mmpp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The servers one policy runs on; a cluster with zero instances is absent."""
+
+    num_prfaas: int
+    num_local_prefill: int
+    num_decode: int
+    max_batch_size: int
+    decode_step_s: float
+    prfaas_latency: PiecewiseLinear | None
+    prfaas_kv_bytes: PiecewiseLinear | None
+    local_latency: PiecewiseLinear | None
+    link_gbps: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    lengths: TruncatedLogNormal
+    output_tokens: int
+    prefix_hit: PrefixHitSpec | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: a policy on its topology, at an offered rate, under a bandwidth trace."""
+
+    policy: Policy
+    topology: Topology
+    workload: Workload
+    rate: float
+    num_requests: int
+    threshold_tokens: float
+    arrivals: str = "poisson"
+    burst_seconds: float = 30.0
+    bandwidth_trace: tuple[tuple[float, float], ...] = ()
+    mean_length_mode: bool = False
+    seed: int = 0
+    ttft_slo_s: float | None = None
+    slo_factor: float = 2.0
+    observe_interval_s: float = 1.0
+    num_samples: int = 1000
+    progress: bool = False
+
+
+def workload_of(inputs: PlanInputs) -> Workload:
+    return Workload(TruncatedLogNormal.from_spec(inputs.workload.input_length), inputs.workload.output_tokens,
+                    inputs.workload.prefix_hit)
+
+
+def topology_for(policy: Policy, inputs: PlanInputs, plan: PlanResult) -> Topology:
+    """Homogeneous and naive run on their own deployments (best split for homogeneous); static
+    and adaptive run on the PrfaaS-PD deployment with the planner's split."""
+    if policy == "homogeneous":
+        if inputs.homogeneous_pd is None or plan.homogeneous is None:
+            raise ValueError("the config has no deployments.homogeneous_pd")
+        dep = inputs.homogeneous_pd
+        return _topology(inputs, 0, None, plan.homogeneous.num_prefill, dep.prefill_profile,
+                         plan.homogeneous.num_decode, dep.decode_profile, 0.0)
+    if policy == "naive":
+        if inputs.naive_heterogeneous is None:
+            raise ValueError("the config has no deployments.naive_heterogeneous")
+        dep = inputs.naive_heterogeneous
+        return _topology(inputs, dep.num_prefill, dep.prefill_profile, 0, None, dep.num_decode,
+                         dep.decode_profile, dep.cross_cluster_gbps)
+    dep = inputs.prfaas_pd
+    return _topology(inputs, dep.num_prfaas, dep.prfaas_profile, plan.prfaas.num_prefill, dep.prefill_profile,
+                     plan.prfaas.num_decode, dep.decode_profile, dep.cross_cluster_gbps)
+
+
+def make_controller(inputs: PlanInputs, plan: PlanResult, **overrides) -> BandwidthAwareThreshold:
+    """The adaptive policy's controller: starts at the planner's threshold, knows the offloaded KV
+    bytes E[S_kv(L); L > t] and the local prefill load E[T_local(L); L <= t] / N_p."""
+    spec = inputs.workload.input_length
+    config = ThresholdControllerConfig(base_threshold_tokens=plan.prfaas.threshold_tokens,
+                                       min_tokens=spec.min_tokens, max_tokens=spec.max_tokens, **overrides)
+    model = PrfaasModel(inputs)
+    local = model.local.latency_s
+    num_prefill = plan.prfaas.num_prefill
+
+    def local_prefill_s(t: float) -> float:
+        return model.distribution.partial_expect(local, model.distribution.lo, t) / num_prefill
+
+    return BandwidthAwareThreshold(config, model.offloaded_kv_bytes_per_request, local_prefill_s)
+
+
+def _topology(inputs: PlanInputs, num_prfaas: int, prfaas_profile: str | None, num_local: int,
+              local_profile: str | None, num_decode: int, decode_profile: str, link_gbps: float) -> Topology:
+    prfaas = PrefillCurves.from_profile(inputs.prefill_profiles[prfaas_profile]) if prfaas_profile else None
+    local = PrefillCurves.from_profile(inputs.prefill_profiles[local_profile]) if local_profile else None
+    decode = inputs.decode_profiles[decode_profile]
+    return Topology(num_prfaas=num_prfaas, num_local_prefill=num_local, num_decode=num_decode,
+                    max_batch_size=decode.max_batch_size, decode_step_s=decode.step_time_s,
+                    prfaas_latency=prfaas.latency_s if prfaas else None,
+                    prfaas_kv_bytes=prfaas.kv_bytes if prfaas else None,
+                    local_latency=local.latency_s if local else None, link_gbps=link_gbps)

@@ -1,0 +1,100 @@
+"""Shared helpers of the benchmarks: free ports, iperf3, medians, the verdict line."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def require(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        sys.exit(f"{tool} is not installed (Debian package `{package}`; scripts/bootstrap.sh installs it)")
+    return path
+
+
+def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
+                seconds: float | None = None) -> float:
+    """Receiver-side goodput of one iperf3 run with ``streams`` parallel TCP streams."""
+    require("iperf3", "iperf3")
+    port = free_port()
+    wrap = ["ip", "netns", "exec", netns] if netns else []
+    server = subprocess.Popen(wrap + ["iperf3", "-s", "-1", "-p", str(port)] + (["-B", bind] if bind else []),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
+        for _ in range(50):
+            result = subprocess.run(["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"iperf3 failed: {result.stdout[-500:]} {result.stderr[-500:]}")
+        return json.loads(result.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
+    finally:
+        server.wait(timeout=30)
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def verdict(name: str, ratio: float, target: float, detail: str, higher_is_better: bool = True) -> int:
+    ok = ratio >= target if higher_is_better else ratio <= target
+    sign = ">=" if higher_is_better else "<="
+    print(f"{name}: {ratio:.3f} ({detail}); target {sign} {target}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+RECEIVER_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from services.kv_transport import Frame, KVTransport, TransportSettings
+rx = KVTransport(TransportSettings(secret={secret!r}, connections_per_peer={connections}),
+                 listen_host={host!r}, listen_port={port})
+print("ready", rx.port, flush=True)
+while True:
+    for event in rx.poll(1.0):
+        if not isinstance(event, Frame):
+            print(type(event).__name__, event.transfer_id, time.time(), flush=True)
+"""
+
+
+def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connections: int = 8,
+                   netns: str | None = None) -> tuple[subprocess.Popen, int]:
+    """A KV receiver in its own process (optionally inside ``netns``); returns it and its port.
+    It prints one line per finished transfer: kind, transfer id, completion time (epoch seconds)."""
+    code = RECEIVER_SCRIPT.format(root=str(ROOT), secret=secret, connections=connections, host=host, port=port)
+    wrap = ["ip", "netns", "exec", netns] if netns else []
+    process = subprocess.Popen(wrap + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    ready, bound = process.stdout.readline().split()
+    return process, int(bound)
+
+
+def wait_transfer(receiver: subprocess.Popen, transfer_id: str) -> float:
+    """When ``transfer_id`` completed at the receiver; raises if it failed."""
+    while True:
+        line = receiver.stdout.readline()
+        if not line:
+            raise RuntimeError("the receiver exited")
+        kind, tid, at = line.split()
+        if tid == transfer_id:
+            if kind != "TransferDone":
+                raise RuntimeError(f"transfer {tid} failed at the receiver")
+            return float(at)

@@ -1,0 +1,52 @@
+"""What the receiving side hands to its user, and the byte budget behind backpressure."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer."""
+
+    transfer_id: str
+    layer: int
+    group: int
+    block_start: int
+    num_blocks: int
+    payload: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    """Every frame of the transfer arrived intact (all its ``Frame`` events came before this)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFailed:
+    transfer_id: str
+    reason: str
+
+
+class ByteBudget:
+    """A counting limit in bytes. ``acquire`` blocks while the budget is spent; one item larger
+    than the whole budget is still admitted when nothing else is held, so nothing deadlocks."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, num_bytes: int, timeout: float | None = None) -> bool:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.used == 0 or self.used + num_bytes <= self.limit, timeout)
+            if ok:
+                self.used += num_bytes
+            return ok
+
+    def release(self, num_bytes: int) -> None:
+        with self._cond:
+            self.used -= num_bytes
+            self._cond.notify_all()

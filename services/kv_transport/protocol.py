@@ -1,0 +1,179 @@
+"""The KV stream wire format, version 1.
+
+A connection starts with a handshake (client → server) that checks the protocol version and
+proves, in both directions, knowledge of the shared secret without sending it::
+
+    C: HELLO      magic "PFKV", version, client nonce
+    S: CHALLENGE  magic, version, status 0, server nonce, HMAC(secret, "S" | client nonce | server nonce)
+       or REFUSE  magic, version, status 1, reason          (and closes)
+    C: PROOF      HMAC(secret, "C" | server nonce | client nonce)
+    S: OK (status 0) or REFUSE (status 1, reason)
+
+Then only frames flow, client → server: a fixed header, the transfer id, the payload. Frames of
+one transfer may travel on different connections; ``seq`` numbers them and the END frame carries
+their count, so the receiver knows when a transfer is complete whatever the arrival order.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+PROTOCOL_VERSION = 1
+MAGIC = b"PFKV"
+MAX_TRANSFER_ID_BYTES = 255
+
+DATA, END, ABORT = 0, 1, 2
+KINDS = (DATA, END, ABORT)
+
+# magic, version, kind, id length, layer, group, block start, block count, seq, payload length, xxh3-64
+HEADER = struct.Struct("!4sBBBxHHIIIQQ")
+_HELLO = struct.Struct("!4sH32s")
+_REPLY = struct.Struct("!4sHB")
+_NONCE = 32
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; the connection cannot continue."""
+
+    def __init__(self, message: str, transfer_id: str | None = None) -> None:
+        super().__init__(message)
+        self.transfer_id = transfer_id
+
+
+class HandshakeRefused(Exception):
+    """The peer (or we) refused the connection: version or secret mismatch."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    kind: int
+    transfer_id: str
+    layer: int
+    group: int
+    block_start: int
+    num_blocks: int
+    seq: int
+    length: int
+    digest: int
+
+
+def encode_header(kind: int, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
+                  seq: int, payload) -> bytes:
+    tid = transfer_id.encode()
+    if len(tid) > MAX_TRANSFER_ID_BYTES:
+        raise ValueError(f"transfer id longer than {MAX_TRANSFER_ID_BYTES} bytes")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(tid), layer, group, block_start, num_blocks, seq,
+                       len(payload), checksum(payload)) + tid
+
+
+def checksum(payload) -> int:
+    """xxh3-64 of the payload: catches corruption at memory speed (CRC32 would halve goodput)."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def read_header(conn: socket.socket, max_frame_bytes: int) -> FrameHeader | None:
+    """The next frame's header, or None at a clean end of stream; raises ProtocolError."""
+    raw = recv_exactly(conn, HEADER.size, eof_ok=True)
+    if raw is None:
+        return None
+    magic, version, kind, tid_len, layer, group, start, count, seq, length, digest = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic (stream out of sync)")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"frame of protocol version {version}, expected {PROTOCOL_VERSION}")
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    transfer_id = recv_exactly(conn, tid_len).decode(errors="replace")
+    if length > max_frame_bytes:
+        raise ProtocolError(f"oversized frame: {length} bytes announced, limit {max_frame_bytes}", transfer_id)
+    return FrameHeader(kind, transfer_id, layer, group, start, count, seq, length, digest)
+
+
+def recv_exactly(conn: socket.socket, size: int, *, eof_ok: bool = False) -> bytes | None:
+    buffer = bytearray(size)
+    if recv_into_exactly(conn, memoryview(buffer), eof_ok=eof_ok) is None:
+        return None
+    return bytes(buffer)
+
+
+def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = False) -> memoryview | None:
+    received = 0
+    while received < len(view):
+        n = conn.recv_into(view[received:])
+        if n == 0:
+            if received == 0 and eof_ok:
+                return None
+            raise ProtocolError(f"truncated frame: connection closed after {received} of {len(view)} bytes")
+        received += n
+    return view
+
+
+# Handshake -------------------------------------------------------------------------------------
+
+def client_handshake(conn: socket.socket, secret: bytes) -> None:
+    client_nonce = os.urandom(_NONCE)
+    conn.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, client_nonce))
+    version, status = _read_reply(conn)
+    if status != 0:
+        raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
+    server_nonce = recv_exactly(conn, _NONCE)
+    server_proof = recv_exactly(conn, 32)
+    if not hmac.compare_digest(server_proof, _proof(secret, b"S", client_nonce, server_nonce)):
+        raise HandshakeRefused("peer failed authentication (different transport secret)")
+    conn.sendall(_proof(secret, b"C", server_nonce, client_nonce))
+    _, status = _read_reply(conn)
+    if status != 0:
+        raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
+
+
+def server_handshake(conn: socket.socket, secret: bytes) -> None:
+    raw = recv_exactly(conn, _HELLO.size)
+    magic, version, client_nonce = _HELLO.unpack(raw)
+    if magic != MAGIC:
+        raise HandshakeRefused("not a PrfaaS KV stream (bad magic)")
+    if version != PROTOCOL_VERSION:
+        _refuse(conn, f"protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})")
+    server_nonce = os.urandom(_NONCE)
+    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0) + server_nonce
+                 + _proof(secret, b"S", client_nonce, server_nonce))
+    try:
+        client_proof = recv_exactly(conn, 32)
+    except (ProtocolError, OSError):
+        raise HandshakeRefused("peer left the handshake: it could not authenticate this worker "
+                               "(different transport secret)") from None
+    if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce)):
+        _refuse(conn, "authentication failed (different transport secret)")
+    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0))
+
+
+def _refuse(conn: socket.socket, reason: str):
+    data = reason.encode()
+    try:
+        conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 1) + struct.pack("!H", len(data)) + data)
+    except OSError:
+        pass
+    raise HandshakeRefused(reason)
+
+
+def _read_reply(conn: socket.socket) -> tuple[int, int]:
+    magic, version, status = _REPLY.unpack(recv_exactly(conn, _REPLY.size))
+    if magic != MAGIC:
+        raise HandshakeRefused("peer is not a PrfaaS KV receiver (bad magic)")
+    if version != PROTOCOL_VERSION and status == 0:
+        raise HandshakeRefused(f"peer speaks protocol version {version}, this worker {PROTOCOL_VERSION}")
+    return version, status
+
+
+def _read_reason(conn: socket.socket) -> str:
+    (length,) = struct.unpack("!H", recv_exactly(conn, 2))
+    return recv_exactly(conn, length).decode(errors="replace")
+
+
+def _proof(secret: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, side + first + second, hashlib.sha256).digest()

@@ -1,0 +1,104 @@
+"""Congestion telemetry: Linux ``TCP_INFO`` per connection, bytes and goodput per peer.
+
+Sending connections sample ``TCP_INFO`` every ``telemetry_interval_s``; ``PeerTelemetry.snapshot``
+sums or averages over a peer's connections. Snapshots are plain dicts so they cross processes.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+_TCP_INFO_LEN = 232
+# Offsets into struct tcp_info (linux/tcp.h).
+_FIELDS = {"retransmits": ("B", 2), "rtt_us": ("I", 68), "rttvar_us": ("I", 72), "snd_cwnd": ("I", 80),
+           "total_retrans": ("I", 100), "delivery_rate_bps": ("Q", 160), "bytes_retrans": ("Q", 208)}
+
+
+def tcp_info(sock: socket.socket) -> dict[str, int] | None:
+    """Selected ``TCP_INFO`` fields of a connected socket; None where the OS does not provide them."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError):
+        return None
+    info = {}
+    for name, (fmt, offset) in _FIELDS.items():
+        size = struct.calcsize(fmt)
+        if offset + size <= len(raw):
+            info[name] = struct.unpack_from("=" + fmt, raw, offset)[0]
+    if "delivery_rate_bps" in info:
+        info["delivery_rate_bps"] *= 8  # the kernel reports bytes per second
+    return info
+
+
+@dataclass(slots=True)
+class _Connection:
+    info: dict | None = None
+    bytes_sent: int = 0
+
+
+class PeerTelemetry:
+    """What one sender knows about its link to one peer. Thread-safe; cheap to update per frame."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self._lock = threading.Lock()
+        self._connections: dict[int, _Connection] = {}
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self.transfers_sent = 0
+        self.transfers_failed = 0
+        self.busy_s = 0.0           # time with at least one frame on the wire
+        self._last_goodput_bps = 0.0
+
+    def on_sent(self, conn_id: int, num_bytes: int) -> None:
+        with self._lock:
+            self.bytes_sent += num_bytes
+            self.frames_sent += 1
+            self._connections.setdefault(conn_id, _Connection()).bytes_sent += num_bytes
+
+    def on_sample(self, conn_id: int, info: dict | None) -> None:
+        with self._lock:
+            self._connections.setdefault(conn_id, _Connection()).info = info
+
+    def on_closed(self, conn_id: int) -> None:
+        with self._lock:
+            self._connections.pop(conn_id, None)
+
+    def on_transfer(self, ok: bool, num_bytes: int, elapsed_s: float) -> None:
+        with self._lock:
+            if ok:
+                self.transfers_sent += 1
+                if elapsed_s > 0:
+                    self._last_goodput_bps = num_bytes * 8 / elapsed_s
+            else:
+                self.transfers_failed += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            infos = [c.info for c in self._connections.values() if c.info]
+            snapshot = {"peer": self.peer, "connections": len(self._connections), "bytes_sent": self.bytes_sent,
+                        "frames_sent": self.frames_sent, "transfers_sent": self.transfers_sent,
+                        "transfers_failed": self.transfers_failed, "goodput_bps": self._last_goodput_bps}
+        snapshot["retransmits"] = sum(i.get("total_retrans", 0) for i in infos)
+        snapshot["delivery_rate_bps"] = sum(i.get("delivery_rate_bps", 0) for i in infos)
+        snapshot["rtt_us"] = max((i.get("rtt_us", 0) for i in infos), default=0)
+        snapshot["cwnd_segments"] = sum(i.get("snd_cwnd", 0) for i in infos)
+        return snapshot
+
+
+class Clock:
+    """Rate limiter for per-connection sampling."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._interval_s
+        return True

@@ -1,0 +1,116 @@
+"""``KVTransport``: send KV frames to peers and receive them from peers, over authenticated TCP.
+
+Thread model: ``send``/``finish``/``abort`` may be called from any thread and block only for
+backpressure; background threads do all socket I/O; ``poll`` returns what arrived (frames, then
+``TransferDone`` or ``TransferFailed``) and is meant for one consuming thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+
+from services.kv_transport.events import Frame, TransferDone, TransferFailed
+from services.kv_transport.receiver import Receiver
+from services.kv_transport.sender import PeerLink
+from services.kv_transport.settings import TransportSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Frame", "KVTransport", "TransferDone", "TransferFailed"]
+
+
+class KVTransport:
+    def __init__(self, settings: TransportSettings, listen_host: str = "127.0.0.1",
+                 listen_port: int | None = None) -> None:
+        """``listen_port`` None: send only; 0: listen on a free port (see ``port``)."""
+        self.settings = settings
+        if not settings.secret_bytes:
+            logger.warning("KV transport has no shared secret (transport.secret or $%s): any process that "
+                           "can reach the KV port can connect", settings.secret_env)
+        self._links: dict[str, PeerLink] = {}
+        self._links_lock = threading.Lock()
+        self._receiver = None
+        if listen_port is not None:
+            self._receiver = Receiver(settings, listen_host, listen_port, _server_tls(settings))
+
+    @property
+    def port(self) -> int | None:
+        return self._receiver.port if self._receiver else None
+
+    def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
+             payload) -> None:
+        """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``."""
+        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload)
+
+    def finish(self, peer: str, transfer_id: str) -> None:
+        """No more frames for this transfer; the receiver completes it once all have arrived."""
+        self._link(peer).finish(transfer_id)
+
+    def abort(self, peer: str, transfer_id: str, reason: str) -> None:
+        self._link(peer).abort(transfer_id, reason)
+
+    def poll(self, wait_s: float = 0.0) -> list:
+        """Events received so far, in arrival order; waits up to ``wait_s`` for the first one."""
+        if self._receiver is None:
+            return []
+        events, source = [], self._receiver.events
+        try:
+            events.append(source.get(timeout=wait_s) if wait_s > 0 else source.get_nowait())
+            while True:
+                events.append(source.get_nowait())
+        except queue.Empty:
+            pass
+        released = sum(len(e.payload) for e in events if isinstance(e, Frame))
+        if released:
+            self._receiver.staging.release(released)
+        return events
+
+    def forget(self, transfer_id: str) -> None:
+        """The consumer no longer wants this transfer; later frames of it are discarded."""
+        if self._receiver is not None:
+            self._receiver.forget(transfer_id)
+
+    def snapshot(self) -> dict:
+        """Telemetry for metrics: per-peer sending figures and receiving counters."""
+        with self._links_lock:
+            links = list(self._links.values())
+        snapshot = {"peers": [link.telemetry.snapshot() for link in links]}
+        if self._receiver is not None:
+            snapshot.update(bytes_received=self._receiver.bytes_received,
+                            frames_rejected=self._receiver.frames_rejected,
+                            connections_refused=self._receiver.connections_refused)
+        return snapshot
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        with self._links_lock:
+            for link in self._links.values():
+                link.close()
+
+    def _link(self, peer: str) -> PeerLink:
+        with self._links_lock:
+            link = self._links.get(peer)
+            if link is None:
+                link = self._links[peer] = PeerLink(peer, self.settings, _client_tls(self.settings))
+            return link
+
+
+def _server_tls(settings: TransportSettings) -> ssl.SSLContext | None:
+    if not settings.uses_tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=settings.tls_ca)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _client_tls(settings: TransportSettings) -> ssl.SSLContext | None:
+    if not settings.uses_tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.tls_ca)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    context.check_hostname = False  # peers are addressed by IP; the private CA is the trust anchor
+    return context

@@ -1,0 +1,192 @@
+"""The KV transport on real loopback sockets: reassembly, authentication, bad frames, backpressure."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import subprocess
+import time
+
+import pytest
+
+from services.config import ConfigError
+from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSettings
+from services.kv_transport import protocol
+
+SECRET = "test-secret"
+
+
+@pytest.fixture
+def pair():
+    transports = []
+
+    def make(rx_settings=None, tx_settings=None):
+        rx = KVTransport(rx_settings or TransportSettings(secret=SECRET), listen_port=0)
+        tx = KVTransport(tx_settings or TransportSettings(secret=SECRET))
+        transports.extend([rx, tx])
+        return rx, tx, f"127.0.0.1:{rx.port}"
+
+    yield make
+    for transport in transports:
+        transport.close()
+
+
+def collect(rx: KVTransport, transfer_id: str, timeout: float = 10.0):
+    """Frames of one transfer and how it ended (TransferDone / TransferFailed)."""
+    frames, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in rx.poll(0.05):
+            if event.transfer_id != transfer_id:
+                continue
+            if isinstance(event, Frame):
+                frames.append(event)
+            else:
+                return frames, event
+    return frames, None
+
+
+def test_striped_transfer_reassembles_in_full(pair):
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=4, max_frame_bytes=1 << 16))
+    layers = {layer: os.urandom(40 * 4096) for layer in range(6)}
+    for layer, data in layers.items():
+        tx.send(peer, "t-1", layer, layer % 2, 0, 40, data)
+    tx.finish(peer, "t-1")
+    frames, end = collect(rx, "t-1")
+    assert isinstance(end, TransferDone)
+    assert len(frames) == 6 * 3  # 40 blocks of 4 KiB in frames of at most 16 blocks
+    for layer, data in layers.items():
+        parts = sorted((f for f in frames if f.layer == layer), key=lambda f: f.block_start)
+        assert b"".join(bytes(f.payload) for f in parts) == data
+        assert [f.group for f in parts] == [layer % 2] * 3
+    assert len({p["connections"] for p in tx.snapshot()["peers"]}) == 1
+    assert tx.snapshot()["peers"][0]["transfers_sent"] == 1
+    assert rx.snapshot()["bytes_received"] == sum(map(len, layers.values()))
+
+
+def test_telemetry_samples_tcp_info(pair):
+    rx, tx, peer = pair()
+    tx.send(peer, "t-2", 0, 0, 0, 64, os.urandom(64 << 16))
+    tx.finish(peer, "t-2")
+    assert isinstance(collect(rx, "t-2")[1], TransferDone)
+    link = tx.snapshot()["peers"][0]
+    assert link["rtt_us"] > 0 and link["cwnd_segments"] > 0 and link["goodput_bps"] > 0
+
+
+def test_wrong_secret_is_refused_at_connect(pair, caplog):
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret="other"))
+    with caplog.at_level(logging.WARNING):
+        tx.send(peer, "t-3", 0, 0, 0, 1, b"x" * 64)
+        tx.finish(peer, "t-3")
+        deadline = time.monotonic() + 5
+        while rx.snapshot()["connections_refused"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert rx.snapshot()["connections_refused"] >= 1
+    assert tx.snapshot()["peers"][0]["transfers_failed"] == 1
+    assert any("different transport secret" in r.getMessage() for r in caplog.records)
+    assert rx.poll(0.1) == []
+
+
+def _raw_client(port: int, secret: str = SECRET) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    protocol.client_handshake(sock, secret.encode())
+    return sock
+
+
+def _frame(kind, tid, layer, payload, *, digest=None, length=None, seq=0, num_blocks=1) -> bytes:
+    header = protocol.encode_header(kind, tid, layer, 0, 0, num_blocks, seq, payload)
+    if digest is not None or length is not None:
+        fields = list(protocol.HEADER.unpack(header[:protocol.HEADER.size]))
+        fields[-1] = digest if digest is not None else fields[-1]
+        fields[-2] = length if length is not None else fields[-2]
+        header = protocol.HEADER.pack(*fields) + header[protocol.HEADER.size:]
+    return header + payload
+
+
+def test_version_mismatch_is_refused_with_a_reason(pair, caplog):
+    rx, _, _ = pair()
+    with caplog.at_level(logging.WARNING), socket.create_connection(("127.0.0.1", rx.port), timeout=5) as sock:
+        sock.sendall(struct.pack("!4sH32s", protocol.MAGIC, protocol.PROTOCOL_VERSION + 1, os.urandom(32)))
+        magic, version, status = struct.unpack("!4sHB", protocol.recv_exactly(sock, 7))
+        (length,) = struct.unpack("!H", protocol.recv_exactly(sock, 2))
+        reason = protocol.recv_exactly(sock, length).decode()
+    assert status == 1 and version == protocol.PROTOCOL_VERSION
+    assert "protocol version 2 is not supported" in reason
+    time.sleep(0.1)
+    assert any("refused KV connection" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("case", ["corrupted", "truncated", "oversized"])
+def test_bad_frames_fail_their_transfer_and_the_receiver_keeps_serving(pair, case):
+    rx, tx, peer = pair(rx_settings=TransportSettings(secret=SECRET, max_frame_bytes=1 << 20))
+    payload = os.urandom(4096)
+    sock = _raw_client(rx.port)
+    if case == "corrupted":
+        sock.sendall(_frame(protocol.DATA, "bad", 0, payload, digest=protocol.checksum(payload) ^ 1))
+    elif case == "truncated":
+        sock.sendall(_frame(protocol.DATA, "bad", 0, payload)[:-100])
+        sock.close()
+    else:
+        sock.sendall(_frame(protocol.DATA, "bad", 0, b"", length=(1 << 20) + 1))
+    frames, end = collect(rx, "bad")
+    sock.close()
+    assert frames == [] and isinstance(end, TransferFailed)
+    assert rx.snapshot()["frames_rejected"] == 1
+    tx.send(peer, "good", 0, 0, 0, 1, payload)
+    tx.finish(peer, "good")
+    frames, end = collect(rx, "good")
+    assert isinstance(end, TransferDone) and bytes(frames[0].payload) == payload
+
+
+def test_end_frame_waits_for_frames_from_other_connections(pair):
+    rx, _, _ = pair()
+    first, second = _raw_client(rx.port), _raw_client(rx.port)
+    first.sendall(_frame(protocol.END, "t-4", 0, b"", seq=2, num_blocks=0))
+    assert collect(rx, "t-4", timeout=0.3) == ([], None)
+    second.sendall(_frame(protocol.DATA, "t-4", 0, b"a" * 16) + _frame(protocol.DATA, "t-4", 1, b"b" * 16))
+    frames, end = collect(rx, "t-4")
+    assert [f.layer for f in frames] == [0, 1] and isinstance(end, TransferDone)
+    first.close()
+    second.close()
+
+
+def test_a_receiver_that_stops_reading_slows_the_sender_without_unbounded_memory(pair):
+    limit = 1 << 20
+    rx, tx, peer = pair(rx_settings=TransportSettings(secret=SECRET, max_staging_bytes=limit, max_frame_bytes=1 << 18),
+                        tx_settings=TransportSettings(secret=SECRET, max_inflight_bytes=limit, connections_per_peer=1,
+                                                      max_frame_bytes=1 << 18, send_timeout_s=1.0))
+    started = time.monotonic()
+    tx.send(peer, "t-5", 0, 0, 0, 1024, bytes(1024 << 17))  # 128 MiB: beyond both budgets and socket buffers
+    assert time.monotonic() - started >= 0.9  # the sender was held back ...
+    assert rx._receiver.staging.used <= limit + (1 << 18)  # ... and the receiver staged no more than its budget
+    assert tx.snapshot()["peers"][0]["transfers_failed"] == 1
+
+
+def test_mutual_tls(pair, tmp_path):
+    def run(*argv):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=tmp_path)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=prfaas-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "node.pem", "-days", "1")
+    settings = TransportSettings(secret=SECRET, tls_cert=str(tmp_path / "node.pem"),
+                                 tls_key=str(tmp_path / "node.key"), tls_ca=str(tmp_path / "ca.pem"))
+    rx, tx, peer = pair(settings, settings)
+    tx.send(peer, "t-6", 0, 0, 0, 4, os.urandom(4 * 4096))
+    tx.finish(peer, "t-6")
+    frames, end = collect(rx, "t-6")
+    assert isinstance(end, TransferDone) and len(frames[0].payload) == 4 * 4096
+
+
+@pytest.mark.parametrize("raw, error", [
+    ({"connections_per_peer": 0}, "transport.connections_per_peer: must be positive"),
+    ({"connections": 8}, "transport.connections: unknown key"),
+    ({"io_timeout_s": "fast"}, "transport.io_timeout_s: expected float"),
+    ({"tls_cert": "a.pem"}, "transport.tls_cert: tls_cert, tls_key and tls_ca go together"),
+])
+def test_settings_errors_name_the_key(raw, error):
+    with pytest.raises(ConfigError, match=error):
+        TransportSettings.of(raw)

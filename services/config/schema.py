@@ -54,7 +54,12 @@ class WorkerConfig:
     cluster: Literal["prfaas", "local"] = _opt("local", "Which cluster the worker belongs to.")
     host: str = _opt("127.0.0.1", "Address the worker's gRPC server binds and the router dials.")
     port: int = _required("gRPC port of the worker.")
+    kv_port: int | None = _opt(
+        None, "KV data-plane port (TCP) where the worker receives streamed KV; needed on workers that "
+        "decode requests prefilled elsewhere (the PrfaaS and PD-P paths).")
     engine: dict = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
+    env: dict = _opt({}, "Environment variables set in the worker process before its engine starts "
+                     "(e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their own cores).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,21 +97,34 @@ class DeploymentConfig:
     workers: tuple[WorkerConfig, ...] = _opt((), "The prefill and decode workers.")
     scheduler: SchedulerConfig = _opt(SchedulerConfig(), "Where each request's prefill runs.")
     logging: LoggingConfig = _opt(LoggingConfig(), "Logging of every service.")
+    transport: dict = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or `secret_env` "
+                           "(PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, `max_frame_bytes`, "
+                           "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see services/kv_transport/settings.py.")
 
     def validate(self) -> None:
+        from services.kv_transport.settings import TransportSettings
+
+        TransportSettings.of(self.transport)
         names = [w.name for w in self.workers]
         for i, name in enumerate(names):
             if names.index(name) != i:
                 raise ConfigError(f"workers[{i}].name: duplicate worker name {name!r}")
-        endpoints = [(self.router.host, self.router.port)] + [(w.host, w.port) for w in self.workers]
-        for i, endpoint in enumerate(endpoints[1:]):
-            if endpoint in endpoints[: i + 1]:
-                raise ConfigError(f"workers[{i}].port: {endpoint[0]}:{endpoint[1]} is already used")
+        seen = {(self.router.host, self.router.port)}
+        for i, worker in enumerate(self.workers):
+            for key in ("port", "kv_port"):
+                endpoint = (worker.host, getattr(worker, key))
+                if endpoint[1] is None:
+                    continue
+                if endpoint in seen:
+                    raise ConfigError(f"workers[{i}].{key}: {endpoint[0]}:{endpoint[1]} is already used")
+                seen.add(endpoint)
         if not any(w.service == "decode_worker" and w.role != "prefill" for w in self.workers):
             raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
         for i, worker in enumerate(self.workers):
-            if not 0 < worker.port < 65536:
-                raise ConfigError(f"workers[{i}].port: {worker.port} is not a TCP port")
+            for key in ("port", "kv_port"):
+                value = getattr(worker, key)
+                if value is not None and not 0 < value < 65536:
+                    raise ConfigError(f"workers[{i}].{key}: {value} is not a TCP port")
             unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
             if unknown:
                 raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")

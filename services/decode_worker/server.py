@@ -50,5 +50,10 @@ def stats_message(engine: Engine, identity: WorkerIdentity) -> pb.WorkerStats:
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
+    """Registers DecodeWorker, and PrefillWorker too for roles that prefill (the local PD-P path)."""
+    from services.prefill_worker.server import PrefillWorkerServicer
+
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity), server)
+    if identity.role in ("prefill", "both"):
+        pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
     return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.config import EngineConfig, ModelConfig
+from services.config import DeploymentConfig, EngineConfig, ModelConfig, WorkerConfig
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -20,6 +20,24 @@ def resolve_model_path(model: ModelConfig) -> Path:
     from services.models import registry
 
     return registry.prepare(name)
+
+
+def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
+    """Every worker loads the PrfaaS connector: it can produce KV (prefill roles) and, with a
+    ``kv_port``, receive it. A failed receive makes vLLM recompute the prompt locally."""
+    from vllm.config import KVTransferConfig
+
+    from services.kv_connector.settings import ConnectorSettings
+
+    settings = ConnectorSettings(listen_host=worker.host, listen_port=worker.kv_port,
+                                 transport=config.transport)
+    return KVTransferConfig(
+        kv_connector="PrfaasConnector",
+        kv_connector_module_path="services.kv_connector.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=settings.to_extra_config(),
+    )
 
 
 def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=None):

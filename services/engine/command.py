@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 
 from services.config import ConfigError, load_config
@@ -34,6 +35,7 @@ def run_worker_command(args: argparse.Namespace, service: str, add_servicer) -> 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     worker = dataclasses.replace(worker, **overrides)
     setup_logging(worker.name, args.log_level or config.logging.level, config.logging.json)
+    os.environ.update({str(k): str(v) for k, v in worker.env.items()})
     import uvloop
 
     from services.engine.serve import serve_worker

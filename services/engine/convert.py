@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
+from services.engine.types import EngineStats, GenerateInput, KvTransfer, Sampling, TokenDelta
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
@@ -31,19 +31,30 @@ def sampling_to_proto(sampling: Sampling) -> pb.SamplingParams:
 
 
 def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
+    transfer_id = msg.kv_source.transfer_id
     return GenerateInput(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling),
+        kv_transfer=KvTransfer("consume", transfer_id) if transfer_id else None,
     )
 
 
 def generate_input_to_proto(request: GenerateInput) -> pb.GenerateRequest:
+    consume = request.kv_transfer and request.kv_transfer.mode == "consume"
     return pb.GenerateRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
+        kv_source=pb.KvSource(transfer_id=request.kv_transfer.transfer_id) if consume else None,
     )
+
+
+def prefill_input_from_proto(msg: pb.PrefillRequest) -> GenerateInput:
+    """A prefill is a one-token generation; with a target, its KV streams there."""
+    transfer = KvTransfer("produce", msg.transfer_id or msg.request_id, msg.kv_target) if msg.kv_target else None
+    return GenerateInput(msg.request_id, list(msg.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0),
+                         kv_transfer=transfer)
 
 
 def delta_to_proto(delta: TokenDelta) -> pb.GenerateResponse:
@@ -73,5 +84,17 @@ def stats_to_proto(stats: EngineStats, **identity) -> pb.WorkerStats:
         num_waiting_requests=stats.num_waiting_requests,
         kv_cache_usage=stats.kv_cache_usage,
         num_finished_requests=stats.num_finished_requests,
+        **_transport_fields(stats.kv_transport or {}),
         **identity,
     )
+
+
+def _transport_fields(snapshot: dict) -> dict:
+    links = [pb.KvLinkStats(peer=p["peer"], connections=p["connections"], bytes_sent=p["bytes_sent"],
+                            transfers_sent=p["transfers_sent"], transfers_failed=p["transfers_failed"],
+                            goodput_bps=p["goodput_bps"], retransmits=p["retransmits"], rtt_ms=p["rtt_us"] / 1000,
+                            cwnd_segments=p["cwnd_segments"], delivery_rate_bps=p["delivery_rate_bps"])
+             for p in snapshot.get("peers", ())]
+    return {"kv_links": links, "kv_bytes_received": snapshot.get("bytes_received", 0),
+            "kv_frames_rejected": snapshot.get("frames_rejected", 0),
+            "kv_connections_refused": snapshot.get("connections_refused", 0)}

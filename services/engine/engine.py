@@ -5,7 +5,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
+from services.engine.types import EngineStats, GenerateInput, KvTransfer, Sampling, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, request.kv_transfer)
         self._active.add(request.request_id)
         try:
             async for output in self._llm.generate(prompt, params, request.request_id):
@@ -74,6 +74,8 @@ class Engine:
                     stats.num_running_requests = scheduler_stats.num_running_reqs
                     stats.num_waiting_requests = scheduler_stats.num_waiting_reqs
                     stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    if scheduler_stats.kv_connector_stats:
+                        stats.kv_transport = scheduler_stats.kv_connector_stats
                 if iteration_stats is not None:
                     stats.num_finished_requests += len(iteration_stats.finished_requests)
 
@@ -83,9 +85,11 @@ class Engine:
         return _Recorder
 
 
-def sampling_params(sampling: Sampling):
+def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    from services.kv_connector.params import TransferParams
 
     return SamplingParams(
         max_tokens=sampling.max_tokens,
@@ -96,6 +100,8 @@ def sampling_params(sampling: Sampling):
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
+        extra_args=TransferParams(kv_transfer.mode, kv_transfer.transfer_id, kv_transfer.peer).to_extra_args()
+        if kv_transfer else None,
     )
 
 

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig, WorkerConfig
-from services.engine.args import engine_args
+from services.engine.args import engine_args, kv_transfer_config
 from services.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ async def serve_worker(
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    engine = Engine(engine_args(config.model, config.engine_for(worker)))
+    engine = Engine(engine_args(config.model, config.engine_for(worker),
+                                kv_transfer_config=kv_transfer_config(config, worker)))
     service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server)
     address = f"{worker.host}:{worker.port}"
     if server.add_insecure_port(address) == 0:

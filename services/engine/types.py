@@ -16,10 +16,20 @@ class Sampling:
 
 
 @dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """This request's KV is streamed: ``produce`` it to ``peer``, or ``consume`` it from a producer."""
+
+    mode: str
+    transfer_id: str
+    peer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateInput:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    kv_transfer: KvTransfer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +52,4 @@ class EngineStats:
     num_waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     num_finished_requests: int = 0
+    kv_transport: dict | None = None  # the connector's latest ``KVTransport.snapshot()``

@@ -40,6 +40,7 @@ def _run(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"preparing model {config.model.name} ({config.model.path}) ...", flush=True)
     resolve_model_path(config.model)
+    _share_kv_secret(config)
     children = supervisor.children_for(config, args.config.resolve(), log_dir)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -59,6 +60,18 @@ def _run(args) -> int:
         print("stopping all services ...", flush=True)
         supervisor.stop_all(children)
         print("stopped", flush=True)
+
+
+def _share_kv_secret(config) -> None:
+    """Workers started together authenticate their KV links with a fresh secret unless one is set."""
+    import os
+    import secrets
+
+    from services.kv_transport.settings import TransportSettings
+
+    settings = TransportSettings.of(config.transport)
+    if not settings.secret_bytes:
+        os.environ[settings.secret_env] = secrets.token_hex(32)
 
 
 def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:

@@ -60,7 +60,7 @@ def _add_workload(parser) -> None:
     group.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     group.add_argument("--trace", help="trace: JSONL with timestamp, input_length or prompt, output_length")
     group.add_argument("--ignore-eos", action="store_true",
-                       help="send ignore_eos and min_tokens so every request generates --output-len tokens")
+                       help="send ignore_eos so every request generates --output-len tokens")
     group.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
     group.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default: 0)")
 

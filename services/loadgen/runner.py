@@ -126,7 +126,7 @@ class _Sender:
         payload = {"model": self.model, **prompt_fields, "max_tokens": spec.output_len, "stream": True,
                    "stream_options": {"include_usage": True}}
         if self.config.ignore_eos:
-            payload.update(ignore_eos=True, min_tokens=spec.output_len)
+            payload.update(ignore_eos=True)
         if self.config.temperature is not None:
             payload["temperature"] = self.config.temperature
         return payload

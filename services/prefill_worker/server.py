@@ -9,9 +9,9 @@ from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.decode_worker.server import stats_message
+from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import WorkerIdentity
-from services.engine.types import GenerateInput, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,7 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         started = time.perf_counter()
-        prefill = GenerateInput(
-            request.request_id, list(request.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0)
-        )
+        prefill = convert.prefill_input_from_proto(request)
         last = None
         try:
             async for delta in self._engine.generate(prefill):

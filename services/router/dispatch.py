@@ -1,17 +1,25 @@
-"""Send one generation to a worker, retrying on another one if it fails before the first token."""
+"""Run one generation on the workers: choose the route, start the prefill hand-off, stream tokens.
+
+Before the first token nothing is lost yet, so failures there are retried: an unreachable decode
+worker is replaced by another one, and a failed remote prefill falls back to a local prefill on
+the same decode worker. After the first token a failure ends the request (``WorkerFailed``).
+"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from prfaas.v1 import worker_pb2 as pb
 
 from services.config import RouterConfig
 from services.engine import convert
-from services.engine.types import GenerateInput, TokenDelta
+from services.engine.types import GenerateInput, KvTransfer, TokenDelta
 from services.router.errors import ApiError, bad_request, unavailable
 from services.router.metrics import RouterMetrics
+from services.router.policy import Route
 from services.router.workers import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -24,43 +32,94 @@ class WorkerFailed(Exception):
     """A worker failed after it had already streamed tokens (the request cannot be moved)."""
 
 
+class _PrefillFailed(Exception):
+    pass
+
+
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics,
+                 threshold_tokens: int) -> None:
         self._pool = pool
         self._config = config
         self._metrics = metrics
+        self.threshold_tokens = threshold_tokens
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         """Yields the request's deltas. Raises ApiError before the first delta, WorkerFailed after.
 
-        Closing the iterator cancels the gRPC call, which aborts the request on the worker.
+        Closing the iterator cancels the gRPC calls, which aborts the request on the workers.
         """
         tried: set[str] = set()
         for _ in range(self._config.max_attempts):
-            handle = self._pool.pick(frozenset(tried))
-            if handle is None:
+            route = self._pool.route(len(request.prompt_token_ids), self.threshold_tokens, frozenset(tried))
+            if route is None:
                 break
-            tried.add(handle.name)
-            call = handle.decode.Generate(convert.generate_input_to_proto(request),
-                                          timeout=self._config.request_timeout_s)
-            handle.num_in_flight += 1
+            tried.add(route.decode)
+            decode = self._pool.handle(route.decode)
+            decode.num_in_flight += 1
             try:
-                first = await self._first(call, handle, request.request_id)
+                call, first = await self._start(request, route, decode)
                 if first is None:
                     continue
                 yield convert.delta_from_proto(first)
-                async for message in _rest(call, handle):
+                async for message in _rest(call, decode):
                     yield convert.delta_from_proto(message)
                 return
             finally:
-                handle.num_in_flight -= 1
-                call.cancel()
+                decode.num_in_flight -= 1
         raise unavailable("No worker is available to serve this request; try again later")
 
-    async def _first(self, call, handle: WorkerHandle, request_id: str):
+    async def _start(self, request: GenerateInput, route: Route, decode: WorkerHandle):
+        """Returns (call, first message), or (None, None) when the decode worker is unreachable."""
+        if route.prefill is not None:
+            try:
+                return await self._start_with_handoff(request, route, decode)
+            except _PrefillFailed:
+                self._metrics.prefill_fallbacks.inc()
+        self._metrics.routed.labels("local").inc()
+        call = decode.decode.Generate(convert.generate_input_to_proto(request), timeout=self._config.request_timeout_s)
+        try:
+            first = await self._first(call, decode, request.request_id)
+        except BaseException:
+            call.cancel()
+            raise
+        return call, first
+
+    async def _start_with_handoff(self, request: GenerateInput, route: Route, decode: WorkerHandle):
+        """The decode worker waits for KV that the prefill worker streams to it."""
+        prefill = self._pool.handle(route.prefill)
+        self._metrics.routed.labels(route.path).inc()
+        consume = dataclasses.replace(request, kv_transfer=KvTransfer("consume", request.request_id))
+        call = decode.decode.Generate(convert.generate_input_to_proto(consume), timeout=self._config.request_timeout_s)
+        prefill_call = prefill.prefill.Prefill(
+            pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                              kv_target=decode.kv_address, transfer_id=request.request_id),
+            timeout=self._config.request_timeout_s)
+        prefill_task = asyncio.ensure_future(prefill_call)
+        prefill_task.add_done_callback(lambda task: _log_prefill_outcome(task, request.request_id, prefill.name))
+        logger.debug("request %s: %s path, prefill %s -> decode %s", request.request_id, route.path,
+                     prefill.name, decode.name)
+        try:
+            first = await self._first(call, decode, request.request_id, prefill_task, prefill)
+        except BaseException:
+            call.cancel()
+            prefill_call.cancel()
+            raise
+        if first is None:
+            prefill_call.cancel()
+        return call, first
+
+    async def _first(self, call, handle: WorkerHandle, request_id: str, prefill_task=None,
+                     prefill: WorkerHandle | None = None):
+        read = asyncio.ensure_future(call.read())
         try:
             async with asyncio.timeout(self._config.first_token_timeout_s):
-                return await call.read()
+                if prefill_task is not None:
+                    await _wait_prefill_or_first(read, prefill_task, prefill, request_id)
+                message = await read
+            if message is grpc.aio.EOF:
+                raise ApiError(500, f"worker {handle.name} ended the request without output", type="server_error")
+            return message
         except TimeoutError:
             logger.warning("request %s: worker %s gave no first token in %.0f s", request_id, handle.name,
                            self._config.first_token_timeout_s)
@@ -71,9 +130,31 @@ class Dispatcher:
                 raise ApiError(500, f"worker error: {exc.details()}", type="server_error") from None
             logger.warning("request %s: worker %s failed before the first token: %s", request_id, handle.name,
                            exc.code().name)
+        finally:
+            read.cancel()
+        call.cancel()
         self._pool.mark_unreachable(handle)
         self._metrics.worker_retries.inc()
         return None
+
+
+async def _wait_prefill_or_first(read: asyncio.Future, prefill_task: asyncio.Future, prefill: WorkerHandle,
+                                 request_id: str) -> None:
+    """Return once the first token is there or the prefill succeeded; raise _PrefillFailed otherwise."""
+    await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+    if read.done() or prefill_task.cancelled() or prefill_task.exception() is None:
+        return
+    logger.warning("request %s: prefill on %s failed; prefilling locally instead", request_id, prefill.name)
+    read.cancel()
+    raise _PrefillFailed()
+
+
+def _log_prefill_outcome(task: asyncio.Future, request_id: str, worker: str) -> None:
+    if task.cancelled():
+        return
+    if (exc := task.exception()) is not None:
+        code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+        logger.info("request %s: prefill on %s ended with %s", request_id, worker, code)
 
 
 async def _rest(call, handle: WorkerHandle):
@@ -82,3 +163,5 @@ async def _rest(call, handle: WorkerHandle):
             yield message
     except grpc.aio.AioRpcError as exc:
         raise WorkerFailed(f"worker {handle.name} failed mid-request: {exc.code().name}") from None
+    finally:
+        call.cancel()

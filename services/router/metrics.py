@@ -31,5 +31,44 @@ class RouterMetrics:
                                     ["worker"], registry=r)
         self.worker_kv_usage = Gauge("prfaas_router_worker_kv_cache_usage_ratio", "Worker KV cache in use, 0..1.",
                                      ["worker"], registry=r)
+        self.routed = Counter("prfaas_router_routed_requests_total",
+                              "Requests by prefill path: local, pd (local PD-P worker) or prfaas.",
+                              ["path"], registry=r)
+        self.prefill_fallbacks = Counter("prfaas_router_prefill_fallbacks_total",
+                                         "Remote prefills that failed and were redone locally.", registry=r)
         self.worker_retries = Counter("prfaas_router_worker_retries_total",
                                       "Requests moved to another worker before their first token.", registry=r)
+        self.kv_link_goodput = Gauge("prfaas_kv_link_goodput_bits_per_second",
+                                     "Goodput of the last KV transfer from a worker to a peer.",
+                                     ["worker", "peer"], registry=r)
+        self.kv_link_rtt = Gauge("prfaas_kv_link_rtt_seconds", "Smoothed TCP RTT of a KV link (worst connection).",
+                                 ["worker", "peer"], registry=r)
+        self.kv_link_retransmits = Gauge("prfaas_kv_link_retransmits", "TCP retransmits on a KV link's live connections.",
+                                         ["worker", "peer"], registry=r)
+        self.kv_link_cwnd = Gauge("prfaas_kv_link_cwnd_segments", "Sum of the congestion windows of a KV link.",
+                                  ["worker", "peer"], registry=r)
+        self.kv_link_delivery_rate = Gauge("prfaas_kv_link_delivery_rate_bits_per_second",
+                                           "Kernel-estimated delivery rate of a KV link (sum over connections).",
+                                           ["worker", "peer"], registry=r)
+        self.kv_link_bytes = Gauge("prfaas_kv_link_sent_bytes", "Bytes a worker has sent to a KV peer.",
+                                   ["worker", "peer"], registry=r)
+        self.kv_link_failures = Gauge("prfaas_kv_link_failed_transfers", "KV transfers to a peer that failed.",
+                                      ["worker", "peer"], registry=r)
+        self.kv_received_bytes = Gauge("prfaas_kv_received_bytes", "Bytes of KV a worker has received.",
+                                       ["worker"], registry=r)
+        self.kv_rejected = Gauge("prfaas_kv_rejected_total", "KV frames and connections a worker refused.",
+                                 ["worker"], registry=r)
+
+    def observe_kv_links(self, worker: str, stats) -> None:
+        """Mirror a worker's KV transport telemetry (``WorkerStats``) into gauges."""
+        for link in stats.kv_links:
+            labels = (worker, link.peer)
+            self.kv_link_goodput.labels(*labels).set(link.goodput_bps)
+            self.kv_link_rtt.labels(*labels).set(link.rtt_ms / 1000)
+            self.kv_link_retransmits.labels(*labels).set(link.retransmits)
+            self.kv_link_cwnd.labels(*labels).set(link.cwnd_segments)
+            self.kv_link_delivery_rate.labels(*labels).set(link.delivery_rate_bps)
+            self.kv_link_bytes.labels(*labels).set(link.bytes_sent)
+            self.kv_link_failures.labels(*labels).set(link.transfers_failed)
+        self.kv_received_bytes.labels(worker).set(stats.kv_bytes_received)
+        self.kv_rejected.labels(worker).set(stats.kv_frames_rejected + stats.kv_connections_refused)

@@ -22,6 +22,7 @@ UNSUPPORTED = (
     ("tools", lambda v: not v, "tool calling is not supported"),
     ("functions", lambda v: not v, "function calling is not supported"),
     ("response_format", lambda v: v in (None, {"type": "text"}), "only the text format is supported"),
+    ("min_tokens", lambda v: v in (None, 0), "min_tokens is not supported (use ignore_eos with max_tokens)"),
 )
 
 

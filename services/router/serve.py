@@ -36,7 +36,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         api_keys=api_keys(config),
         tokenizer=tokenizer,
         pool=pool,
-        dispatcher=Dispatcher(pool, config.router, metrics),
+        dispatcher=Dispatcher(pool, config.router, metrics, config.scheduler.offload_threshold_tokens),
         metrics=metrics,
     )
     runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,

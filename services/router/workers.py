@@ -12,7 +12,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.config import RouterConfig, WorkerConfig
 from services.router.metrics import RouterMetrics
-from services.router.policy import WorkerView, pick_least_loaded
+from services.router.policy import Route, WorkerView, choose_route, pick_least_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ class WorkerHandle:
     config: WorkerConfig
     channel: grpc.aio.Channel
     decode: pb_grpc.DecodeWorkerStub | None
+    prefill: pb_grpc.PrefillWorkerStub | None
     stats_stub: object
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
@@ -32,11 +33,19 @@ class WorkerHandle:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def kv_address(self) -> str:
+        return f"{self.config.host}:{self.config.kv_port}"
+
     def view(self) -> WorkerView:
         return WorkerView(
             name=self.name,
             healthy=self.healthy,
-            accepts_generate=self.decode is not None and self.config.role != "prefill",
+            role=self.config.role,
+            cluster=self.config.cluster,
+            generates=self.decode is not None and self.config.role != "prefill",
+            prefills=self.prefill is not None,
+            receives_kv=self.config.kv_port is not None,
             num_in_flight=self.num_in_flight,
             num_active=self.stats.num_active_requests,
             num_running=self.stats.num_running_requests,
@@ -66,9 +75,13 @@ class WorkerPool:
     def handles(self) -> tuple[WorkerHandle, ...]:
         return tuple(self._handles.values())
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerHandle | None:
-        name = pick_least_loaded(tuple(h.view() for h in self._handles.values()), exclude)
-        return self._handles[name] if name else None
+    def route(self, incremental_prefill_tokens: int, threshold_tokens: int,
+              exclude: frozenset[str] = frozenset()) -> Route | None:
+        views = tuple(h.view() for h in self._handles.values())
+        return choose_route(views, incremental_prefill_tokens, threshold_tokens, exclude)
+
+    def handle(self, name: str) -> WorkerHandle:
+        return self._handles[name]
 
     def mark_unreachable(self, handle: WorkerHandle) -> None:
         """Called when a call failed to reach the worker; the next poll may bring it back."""
@@ -78,7 +91,7 @@ class WorkerPool:
         self._metrics.worker_up.labels(handle.name).set(0)
 
     def any_healthy(self) -> bool:
-        return any(h.view().healthy and h.view().accepts_generate for h in self._handles.values())
+        return pick_least_loaded(tuple(h.view() for h in self._handles.values())) is not None
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(h) for h in self._handles.values()))
@@ -105,16 +118,19 @@ class WorkerPool:
         self._metrics.worker_up.labels(handle.name).set(1 if handle.healthy else 0)
         self._metrics.worker_running.labels(handle.name).set(handle.stats.num_running_requests)
         self._metrics.worker_kv_usage.labels(handle.name).set(handle.stats.kv_cache_usage)
+        self._metrics.observe_kv_links(handle.name, handle.stats)
 
 
 def _connect(worker: WorkerConfig) -> WorkerHandle:
     channel = grpc.aio.insecure_channel(f"{worker.host}:{worker.port}")
-    is_decode = worker.service == "decode_worker"
-    stats_stub = pb_grpc.DecodeWorkerStub(channel) if is_decode else pb_grpc.PrefillWorkerStub(channel)
+    decode = pb_grpc.DecodeWorkerStub(channel) if worker.service == "decode_worker" else None
+    prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both")
+    prefill = pb_grpc.PrefillWorkerStub(channel) if prefills else None
     return WorkerHandle(
         config=worker,
         channel=channel,
-        decode=stats_stub if is_decode else None,
-        stats_stub=stats_stub,
+        decode=decode,
+        prefill=prefill,
+        stats_stub=decode or prefill,
         health=health_pb2_grpc.HealthStub(channel),
     )

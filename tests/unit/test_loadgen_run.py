@@ -37,7 +37,7 @@ def test_all_requests_complete_with_usage_matching_the_stream():
     assert result["total_output_tokens"] == 32 and result["usage_mismatches"] == 0
     assert result["total_input_tokens"] == 8 * 16
     body = fake.received[0]
-    assert body["max_tokens"] == 4 and body["min_tokens"] == 4 and body["ignore_eos"] is True
+    assert body["max_tokens"] == 4 and "min_tokens" not in body and body["ignore_eos"] is True
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert "temperature" not in body
 

@@ -46,6 +46,7 @@ def test_message_content_parts_and_developer_role():
         ({"model": MODEL}, "completion", 400, "prompt"),
         ({"model": MODEL, "prompt": ["a", "b"]}, "completion", 400, "prompt"),
         (chat(n=2), "chat", 400, "n"),
+        (chat(min_tokens=8), "chat", 400, "min_tokens"),
         (chat(logprobs=True), "chat", 400, "logprobs"),
         (chat(tools=[{"type": "function"}]), "chat", 400, "tools"),
         (chat(temperature="hot"), "chat", 400, "temperature"),

@@ -1,10 +1,11 @@
 import pytest
 
-from services.router.policy import WorkerView, pick_least_loaded
+from services.router.policy import Route, WorkerView, choose_route, pick_least_loaded
 
 
 def view(name, healthy=True, generate=True, in_flight=0, active=0, running=0, waiting=0, kv=0.0):
-    return WorkerView(name, healthy, generate, in_flight, active, running, waiting, kv)
+    return WorkerView(name, healthy, generates=generate, num_in_flight=in_flight, num_active=active,
+                      num_running=running, num_waiting=waiting, kv_cache_usage=kv)
 
 
 @pytest.mark.parametrize(
@@ -23,3 +24,31 @@ def view(name, healthy=True, generate=True, in_flight=0, active=0, running=0, wa
 )
 def test_pick_least_loaded(workers, exclude, expected):
     assert pick_least_loaded(workers, exclude) == expected
+
+
+DECODE = WorkerView("d", True, role="both", receives_kv=True)
+PD_D = WorkerView("pd-d", True, role="decode", receives_kv=True)
+PD_P = WorkerView("pd-p", True, role="prefill", generates=False, prefills=True)
+PRFAAS = WorkerView("p", True, cluster="prfaas", generates=False, prefills=True)
+PRFAAS_BUSY = WorkerView("p2", True, cluster="prfaas", generates=False, prefills=True, num_in_flight=3)
+NO_KV = WorkerView("d", True, role="both")
+
+
+@pytest.mark.parametrize(
+    "workers, length, expected",
+    [
+        ((DECODE, PRFAAS), 100, Route("local", "d")),
+        ((DECODE, PRFAAS), 1000, Route("local", "d")),
+        ((DECODE, PRFAAS), 1001, Route("prfaas", "d", "p")),
+        ((DECODE, PRFAAS_BUSY, PRFAAS), 5000, Route("prfaas", "d", "p")),
+        ((DECODE, WorkerView("p", False, cluster="prfaas", generates=False, prefills=True)), 5000,
+         Route("local", "d")),
+        ((NO_KV, PRFAAS), 5000, Route("local", "d")),
+        ((PD_D, PD_P, PRFAAS), 100, Route("pd", "pd-d", "pd-p")),
+        ((PD_D, PD_P, PRFAAS), 5000, Route("prfaas", "pd-d", "p")),
+        ((PD_D,), 100, Route("local", "pd-d")),
+        ((PD_P, PRFAAS), 100, None),
+    ],
+)
+def test_choose_route(workers, length, expected):
+    assert choose_route(workers, length, threshold_tokens=1000) == expected

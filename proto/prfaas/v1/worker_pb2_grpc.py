@@ -27,6 +27,7 @@ if _version_not_supported:
 
 class DecodeWorkerStub:
     """A local PD-cluster worker (role `decode`, `prefill` or `both`) running a vLLM engine.
+    Workers with role `prefill` or `both` also serve PrefillWorker (the local PD-P path).
     """
 
     def __init__(self, channel):
@@ -49,6 +50,7 @@ class DecodeWorkerStub:
 
 class DecodeWorkerServicer:
     """A local PD-cluster worker (role `decode`, `prefill` or `both`) running a vLLM engine.
+    Workers with role `prefill` or `both` also serve PrefillWorker (the local PD-P path).
     """
 
     def Generate(self, request, context):
@@ -89,6 +91,7 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
     """A local PD-cluster worker (role `decode`, `prefill` or `both`) running a vLLM engine.
+    Workers with role `prefill` or `both` also serve PrefillWorker (the local PD-P path).
     """
 
     @staticmethod

@@ -1,0 +1,115 @@
+"""Router overhead: the PrfaaS router (+ one decode worker) vs vLLM's own OpenAI server.
+
+Same model (the embedded SmolLM2), same engine settings, same prompts, measured with
+`prfaas bench serve`: median TTFT and output tokens/s, sequentially and at concurrency 8. The two
+servers run one after the other so they never share the CPU.
+
+    python bench/router_overhead.py [--num-prompts 16] [--input-len 256] [--output-len 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import _common
+from _common import free_port
+
+MODEL = "smollm2-135m-instruct"
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} not up after {timeout_s:.0f} s")
+
+
+def bench(base_url: str, concurrency: int, args, out: Path) -> dict:
+    result = out / f"c{concurrency}-{int(time.time() * 1000)}.json"
+    subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", base_url,
+                    "--model", MODEL, "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                    "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0", "--seed", "0",
+                    "--warmup", "2", "--max-concurrency", str(concurrency), "--no-progress",
+                    "--result-file", str(result), "--fail-on-error"],
+                   check=True, cwd=_common.ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(result.read_text())
+
+
+def run_prfaas(args, out: Path) -> dict:
+    import yaml
+
+    config = {"model": {"name": MODEL, "path": f"builtin:{MODEL}", "max_model_len": 2048},
+              "engine": {"enforce_eager": True, "cpu_kvcache_space_gib": 1},
+              "router": {"host": "127.0.0.1", "port": free_port()},
+              "workers": [{"name": "decode-0", "service": "decode_worker", "role": "both", "port": free_port()}],
+              "logging": {"level": "warning", "dir": str(out / "logs")}}
+    path = out / "prfaas.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(path)],
+                               cwd=_common.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return measure(process, f"http://127.0.0.1:{config['router']['port']}", args, out)
+
+
+def run_vllm(args, out: Path) -> dict:
+    from services.models import smollm2
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2.prepare()),
+         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+         "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
+        cwd=_common.ROOT, stdout=open(out / "vllm.log", "wb"), stderr=subprocess.STDOUT,
+        env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return measure(process, f"http://127.0.0.1:{port}", args, out)
+
+
+def measure(process: subprocess.Popen, base_url: str, args, out: Path) -> dict:
+    try:
+        wait_http(base_url + "/v1/models", process)
+        return {c: bench(base_url, c, args, out) for c in (1, 8)}
+    finally:
+        process.terminate()
+        process.wait(120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests per measurement (default 16)")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="prfaas-bench-") as tmp:
+        out = Path(tmp)
+        print("measuring vLLM's OpenAI server ...", file=sys.stderr)
+        direct = run_vllm(args, out)
+        print("measuring the PrfaaS router ...", file=sys.stderr)
+        routed = run_prfaas(args, out)
+    ok = True
+    worst_ttft, worst_tput = 0.0, float("inf")
+    for c in (1, 8):
+        ttft = routed[c]["median_ttft_ms"] / direct[c]["median_ttft_ms"]
+        tput = routed[c]["output_throughput"] / direct[c]["output_throughput"]
+        worst_ttft, worst_tput = max(worst_ttft, ttft), min(worst_tput, tput)
+        ok &= ttft <= 1.10 and tput >= 0.90
+        print(f"concurrency {c}: median TTFT {routed[c]['median_ttft_ms']:.1f} vs {direct[c]['median_ttft_ms']:.1f} ms "
+              f"({ttft:.3f}x), output {routed[c]['output_throughput']:.1f} vs "
+              f"{direct[c]['output_throughput']:.1f} tok/s ({tput:.3f}x)")
+    print(f"router vs vLLM server: worst TTFT ratio {worst_ttft:.3f} (target <= 1.10), worst throughput ratio "
+          f"{worst_tput:.3f} (target >= 0.90): {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

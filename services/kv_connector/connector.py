@@ -1,0 +1,103 @@
+"""``PrfaasConnector``: the class vLLM loads (``kv_connector="PrfaasConnector"``,
+``kv_connector_module_path="services.kv_connector.connector"``).
+
+A thin facade: the scheduler role delegates to ``PrfaasConnectorScheduler`` (engine-core process,
+no network), the worker role to ``PrfaasConnectorWorker`` (worker process, owns the transport).
+Settings come from ``kv_connector_extra_config`` (see ``settings.ConnectorSettings``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from services.kv_connector.layout import KVLayout
+from services.kv_connector.metadata import PrfaasConnectorMetadata
+from services.kv_connector.scheduler import PrfaasConnectorScheduler
+from services.kv_connector.settings import ConnectorSettings
+from services.kv_connector.stats import TransportStats
+from services.kv_connector.worker import PrfaasConnectorWorker
+
+
+class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.of(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.scheduler = PrfaasConnectorScheduler() if role == KVConnectorRole.SCHEDULER else None
+        self.worker = None
+        if role == KVConnectorRole.WORKER:
+            self.worker = PrfaasConnectorWorker(self.settings.open_streams, self.settings.recv_idle_timeout_s,
+                                                self.settings.max_early_bytes, self.settings.layerwise)
+
+    # Scheduler side (engine-core process) ------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> PrfaasConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """A streamed request restores every transfer group, state groups included."""
+        return self._kv_cache_config.transfer_group_ids
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    # Worker side (worker process, engine thread) -----------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.worker.register_kv_caches(KVLayout(self._kv_cache_config, kv_caches))
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.on_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Loads are applied in ``get_transfer_results``, after the forward."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request runs only after all its KV is in place."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        self.worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self.worker.get_transfer_results()
+        return KVConnectorTransferResults(finished_recving=results.finished_recving,
+                                          failed_recving=results.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> TransportStats | None:
+        return self.worker.transport_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransportStats:
+        return TransportStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,83 @@
+"""Where a request's KV lives in one engine's paged cache, and how to copy it in and out.
+
+Built from vLLM's ``KVCacheConfig`` and the tensors given to ``register_kv_caches``. Layers are
+numbered in registration order, which is identical on producer and consumer for the same model.
+Attention groups hold one block per ``block_size`` tokens; state groups (Mamba / Gated-DeltaNet)
+hold one fixed-size state page per request, valid only at the exact position it was taken.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    index: int
+    name: str
+    group: int
+    block_dim: int
+
+
+class KVLayout:
+    def __init__(self, kv_cache_config, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.caches = kv_caches
+        num_blocks = kv_cache_config.num_blocks
+        group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+        self.layers = {name: LayerInfo(i, name, group_of[name], _block_dim(tensor, num_blocks))
+                       for i, (name, tensor) in enumerate(kv_caches.items()) if name in group_of}
+        self.by_index = {info.index: info for info in self.layers.values()}
+        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        self.is_state_group = tuple(not hasattr(spec, "num_kv_heads") for spec in specs)
+        self.block_size = tuple(spec.block_size for spec in specs)
+        self.state_layers = tuple(info for info in self.layers.values() if self.is_state_group[info.group])
+        self.fingerprint = _fingerprint(kv_caches, self.layers)
+
+    def extract(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of ``block_ids`` of ``layer`` (safe to send after the blocks are freed)."""
+        tensor = self.caches[layer.name]
+        index = torch.tensor(block_ids, dtype=torch.long, device=tensor.device)
+        return tensor.index_select(layer.block_dim, index).contiguous().cpu()
+
+    def write_some(self, layer: LayerInfo, block_ids: list[int | None], keep: list[int],
+                   payload: memoryview) -> None:
+        """Copy blocks ``keep`` of ``payload`` (as ``extract`` produced it on an identical layout)
+        into ``block_ids[k]`` for each k in ``keep``."""
+        tensor = self.caches[layer.name]
+        shape = list(tensor.shape)
+        shape[layer.block_dim] = len(block_ids)
+        source = torch.frombuffer(payload, dtype=torch.uint8).view(tensor.dtype).view(shape)
+        if len(keep) != len(block_ids):
+            source = source.index_select(layer.block_dim, torch.tensor(keep, dtype=torch.long))
+        index = torch.tensor([block_ids[k] for k in keep], dtype=torch.long, device=tensor.device)
+        tensor.index_copy_(layer.block_dim, index, source.to(tensor.device))
+
+    def payload_bytes(self, layer: LayerInfo, num_blocks: int) -> int:
+        tensor = self.caches[layer.name]
+        return tensor.numel() // tensor.shape[layer.block_dim] * num_blocks * tensor.element_size()
+
+
+def state_block(block_ids: tuple[int, ...]) -> int:
+    """A state group's live page: the last non-null block id (align mode keeps one per position)."""
+    return next((b for b in reversed(block_ids) if b != NULL_BLOCK), NULL_BLOCK)
+
+
+def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
+    for dim in (0, 1):
+        if tensor.shape[dim] == num_blocks:
+            return dim
+    raise ValueError(f"cannot find the block dimension of a KV cache tensor of shape {tuple(tensor.shape)}")
+
+
+def _fingerprint(kv_caches: dict[str, torch.Tensor], layers: dict[str, LayerInfo]) -> str:
+    """Equal on two engines exactly when their per-block layouts match (checked before a transfer)."""
+    digest = hashlib.sha256()
+    for name, info in layers.items():
+        shape = list(kv_caches[name].shape)
+        shape[info.block_dim] = -1
+        digest.update(f"{info.index}:{name}:{info.group}:{info.block_dim}:{shape}:{kv_caches[name].dtype};".encode())
+    return digest.hexdigest()[:16]

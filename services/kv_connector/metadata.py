@@ -1,0 +1,49 @@
+"""What the connector's scheduler side tells its worker side each engine step.
+
+Everything crossing from the scheduler process to the worker process lives here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """A producer request computed prompt tokens ``[start, end)`` this step."""
+
+    req_id: str
+    transfer_id: str
+    peer: str
+    block_ids: BlockIds
+    start: int
+    end: int
+    num_tokens: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end >= self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """A consumer request waits for tokens ``[first_token, num_tokens)`` to land in ``block_ids``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: BlockIds
+    first_token: int
+    num_tokens: int
+
+
+@dataclass
+class PrfaasConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    # Transfers the engine no longer waits for (aborted, or nothing left to load).
+    abandoned: list[str] = field(default_factory=list)
+    # True when this step computes nothing: the engine is only waiting (e.g. for streamed KV).
+    idle: bool = False

@@ -1,0 +1,245 @@
+"""Worker side of the PrfaaS connector: copies KV out of and into the paged cache, per layer.
+
+Runs in vLLM's worker process; every method is called on the engine thread. Sends copy the
+blocks (so vLLM may free them at once) and hand the copy to the transport, which sends in the
+background. Received frames are applied to the cache here, between forwards, so nothing else ever
+writes into engine memory; a transfer completes when its end marker and every frame are in.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
+from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
+from services.kv_connector.stats import INTERVAL_S, TransportStats
+from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_LAYER = 0xFFFF  # a frame on this "layer" carries the producer's layout fingerprint
+MAX_FORGOTTEN = 4096
+# While an engine only waits for streamed KV, vLLM runs empty steps back to back; blocking this long
+# for the next frame keeps those steps from spinning a core that a colocated engine needs.
+IDLE_WAIT_S = 0.005
+
+
+@dataclass(slots=True)
+class _Receiving:
+    spec: RecvSpec | None = None
+    early_frames: list[Frame] = field(default_factory=list)
+    early_bytes: int = 0
+    done: bool = False
+    last_activity: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResults:
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
+class PrfaasConnectorWorker:
+    def __init__(self, streams_factory, idle_timeout_s: float, max_early_bytes: int, layerwise: bool = True) -> None:
+        self._streams_factory = streams_factory
+        self._layerwise = layerwise
+        self._deferred: dict[str, list[tuple]] = {}  # send-after-prefill mode: frames held to the end
+        self._idle_timeout_s = idle_timeout_s
+        self._max_early_bytes = max_early_bytes
+        self.layout: KVLayout | None = None
+        self.streams: KVTransport | None = None
+        self._sends: list[SendSpec] = []
+        self._idle_step = False
+        self._receiving: dict[str, _Receiving] = {}
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self._next_stats = 0.0
+
+    def register_kv_caches(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.streams = self._streams_factory()
+
+    def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
+        for transfer_id in meta.abandoned:
+            self._forget(transfer_id, "abandoned by the engine")
+        for spec in meta.recvs:
+            receiving = self._receiving.setdefault(spec.transfer_id, _Receiving())
+            receiving.spec = spec
+            receiving.last_activity = time.monotonic()
+        self._sends = meta.sends
+        self._idle_step = meta.idle
+
+    # Producer --------------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._sends:
+            return
+        layer = self.layout.layers.get(layer_name)
+        if layer is None or self.layout.is_state_group[layer.group]:
+            return
+        for send in self._sends:
+            self._send_attention_blocks(send, layer)
+
+    def wait_for_save(self) -> None:
+        for send in self._sends:
+            if send.start == 0:
+                fingerprint = self.layout.fingerprint.encode()
+                self.streams.send(send.peer, send.transfer_id, FINGERPRINT_LAYER, 0, 0, 0, fingerprint)
+            if send.is_last:
+                for frame in self._deferred.pop(send.transfer_id, ()):
+                    self.streams.send(send.peer, send.transfer_id, *frame)
+                for layer in self.layout.state_layers:
+                    self._send_state_page(send, layer)
+                self.streams.finish(send.peer, send.transfer_id)
+                logger.debug("request %s: all KV handed to the transport", send.transfer_id)
+        self._sends = []
+
+    def _send_attention_blocks(self, send: SendSpec, layer: LayerInfo) -> None:
+        block_size = self.layout.block_size[layer.group]
+        first = send.start // block_size
+        last = -(-send.end // block_size) if send.is_last else send.end // block_size
+        ids = send.block_ids[layer.group][first:last]
+        if not ids:
+            return
+        frame = (layer.index, layer.group, first, len(ids), _bytes(self.layout.extract(layer, list(ids))))
+        if self._layerwise:
+            self.streams.send(send.peer, send.transfer_id, *frame)
+        else:
+            self._deferred.setdefault(send.transfer_id, []).append(frame)
+
+    def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:
+        block = state_block(send.block_ids[layer.group])
+        if block == NULL_BLOCK:
+            return
+        payload = self.layout.extract(layer, [block])
+        self.streams.send(send.peer, send.transfer_id, layer.index, layer.group, 0, 1, _bytes(payload))
+
+    # Consumer --------------------------------------------------------------------------------
+
+    def get_transfer_results(self) -> TransferResults:
+        """Apply what arrived since the last step; report finished and failed receives."""
+        failed: dict[str, str] = {}
+        wait_s = IDLE_WAIT_S if self._idle_step and self._receiving else 0.0
+        for event in self.streams.poll(wait_s) if self.streams else ():
+            self._on_event(event, failed)
+        for transfer_id, receiving in list(self._receiving.items()):
+            if receiving.spec is not None and receiving.early_frames and transfer_id not in failed:
+                self._apply_early(transfer_id, receiving, failed)
+        self._expire_idle(failed)
+        return self._collect(failed)
+
+    def _on_event(self, event, failed: dict[str, str]) -> None:
+        if event.transfer_id in self._forgotten:
+            return
+        receiving = self._receiving.setdefault(event.transfer_id, _Receiving())
+        receiving.last_activity = time.monotonic()
+        if isinstance(event, TransferFailed):
+            failed[event.transfer_id] = event.reason
+        elif isinstance(event, TransferDone):
+            receiving.done = True
+        elif receiving.spec is None:
+            self._stage_early(event, receiving, failed)
+        elif error := self._apply(event, receiving.spec):
+            failed[event.transfer_id] = error
+
+    def _stage_early(self, frame: Frame, receiving: _Receiving, failed: dict[str, str]) -> None:
+        receiving.early_frames.append(frame)
+        receiving.early_bytes += len(frame.payload)
+        if receiving.early_bytes > self._max_early_bytes:
+            failed[frame.transfer_id] = "more KV arrived before the engine allocated blocks than the staging budget"
+
+    def _apply_early(self, transfer_id: str, receiving: _Receiving, failed: dict[str, str]) -> None:
+        frames, receiving.early_frames, receiving.early_bytes = receiving.early_frames, [], 0
+        for frame in frames:
+            if error := self._apply(frame, receiving.spec):
+                failed[transfer_id] = error
+                return
+
+    def _apply(self, frame: Frame, spec: RecvSpec) -> str | None:
+        """Copy one frame into the request's blocks; returns an error text instead of raising."""
+        if frame.layer == FINGERPRINT_LAYER:
+            theirs = bytes(frame.payload).decode(errors="replace")
+            return None if theirs == self.layout.fingerprint else f"KV layout mismatch ({theirs} != {self.layout.fingerprint})"
+        layer = self.layout.by_index.get(frame.layer)
+        if layer is None or layer.group != frame.group:
+            return f"frame for unknown layer {frame.layer} / group {frame.group}"
+        ids = self._destination(layer, frame, spec)
+        if ids is None:
+            return f"frame outside the request's blocks (layer {frame.layer}, blocks {frame.block_start}+{frame.num_blocks})"
+        if len(frame.payload) != self.layout.payload_bytes(layer, frame.num_blocks):
+            return f"frame of {len(frame.payload)} bytes does not match layer {frame.layer}'s block size"
+        keep = [i for i, block in enumerate(ids) if block is not None]
+        if keep:
+            self.layout.write_some(layer, ids, keep, frame.payload)
+        return None
+
+    def _destination(self, layer: LayerInfo, frame: Frame, spec: RecvSpec) -> list[int | None] | None:
+        group_ids = spec.block_ids[layer.group]
+        if self.layout.is_state_group[layer.group]:
+            block = state_block(group_ids)
+            return [block if block != NULL_BLOCK else None] if frame.num_blocks == 1 else None
+        end = frame.block_start + frame.num_blocks
+        if end > len(group_ids):
+            return None
+        first_needed = spec.first_token // self.layout.block_size[layer.group]
+        return [b if (frame.block_start + i >= first_needed and b != NULL_BLOCK) else None
+                for i, b in enumerate(group_ids[frame.block_start:end])]
+
+    def _expire_idle(self, failed: dict[str, str]) -> None:
+        deadline = time.monotonic() - self._idle_timeout_s
+        for transfer_id, receiving in list(self._receiving.items()):
+            if receiving.last_activity >= deadline or (receiving.done and receiving.spec is not None):
+                continue
+            if receiving.spec is None:
+                self._forget(transfer_id, "no request on this engine waits for it")
+            else:
+                failed.setdefault(transfer_id, f"no KV received for {self._idle_timeout_s:.0f} s")
+
+    def _collect(self, failed: dict[str, str]) -> TransferResults:
+        finished, failed_req_ids = set(), set()
+        for transfer_id, reason in failed.items():
+            receiving = self._receiving.get(transfer_id)
+            if receiving is not None and receiving.spec is not None:
+                finished.add(receiving.spec.req_id)
+                failed_req_ids.add(receiving.spec.req_id)
+            self._forget(transfer_id, reason)
+        for transfer_id, receiving in list(self._receiving.items()):
+            if receiving.done and receiving.spec is not None and not receiving.early_frames:
+                finished.add(receiving.spec.req_id)
+                del self._receiving[transfer_id]
+                logger.debug("request %s: KV received", transfer_id)
+        return TransferResults(finished, failed_req_ids)
+
+    def _forget(self, transfer_id: str, reason: str) -> None:
+        self._deferred.pop(transfer_id, None)
+        receiving = self._receiving.pop(transfer_id, None)
+        if receiving is not None or reason != "abandoned by the engine":
+            logger.warning("request %s: KV transfer dropped: %s", transfer_id, reason)
+        if self.streams is not None:
+            self.streams.forget(transfer_id)
+        self._forgotten[transfer_id] = None
+        while len(self._forgotten) > MAX_FORGOTTEN:
+            self._forgotten.popitem(last=False)
+
+    def transport_stats(self) -> TransportStats | None:
+        """A telemetry snapshot, at most once per ``INTERVAL_S`` (called after every forward)."""
+        now = time.monotonic()
+        if self.streams is None or now < self._next_stats:
+            return None
+        self._next_stats = now + INTERVAL_S
+        return TransportStats(data=self.streams.snapshot())
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
+
+    def shutdown(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())

@@ -1,0 +1,103 @@
+"""The KV data plane with a hybrid model: the tiny Qwen3-Next (3 Gated-DeltaNet + 1 full-attention
+layer). The prefill worker streams the attention layer's blocks while it computes and the three
+linear-attention state pages when the prefill ends; the decode worker must then generate exactly
+what one colocated engine generates. Prefix caching is off (with it, vLLM keeps one state page per
+block-aligned position, a mode the cache-pool issue covers) and chunks are aligned as in
+test_kv_data_plane.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import openai
+import pytest
+
+from support.deployment import Deployment, deployment_config, run_python
+from support.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-qwen3-next"
+BUDGET = 256
+OUTPUT_TOKENS = 32
+LENGTHS = (129, 257, 513, 769)     # N-1 = 128 (shorter than the budget), then 1, 2 and 3 budgets
+IN_FLIGHT = (257, 513) * 4
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    engine = {"max_num_batched_tokens": BUDGET, "enable_prefix_caching": False}
+    config = deployment_config(
+        [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
+          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
+         {"name": "decode-0", "service": "decode_worker", "role": "both", "kv_port": free_port(),
+          "engine": {**engine, "max_num_seqs": 1}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
+        model_path=f"builtin:{MODEL}", model_name=MODEL,
+        scheduler={"offload_threshold_tokens": 0}, transport={"secret": "e2e-hybrid"},
+    )
+    deployment = Deployment(config, tmp_path_factory.mktemp("hybrid")).start()
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    prompts = [_prompt(n, seed=n) for n in LENGTHS] + [_prompt(n, seed=100 + i) for i, n in enumerate(IN_FLIGHT)]
+    budgets = [min(len(p) - 1, BUDGET) for p in prompts]
+    from services.models import tiny_hybrid
+
+    code = f"""
+import json
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+prompts, budgets = {prompts!r}, {budgets!r}
+params = SamplingParams(temperature=0, max_tokens={OUTPUT_TOKENS}, ignore_eos=True)
+tokens = [None] * len(prompts)
+for budget in sorted(set(budgets)):
+    llm = LLM(model={str(tiny_hybrid.prepare())!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True,
+              seed=0, max_num_batched_tokens=budget, max_num_seqs=min(64, budget), enable_prefix_caching=False)
+    for i, ids in enumerate(prompts):
+        if budgets[i] == budget:
+            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0].outputs[0]
+            tokens[i] = out.text
+    del llm
+print("RESULT" + json.dumps(tokens))
+"""
+    # One OpenMP thread, as each worker here has (VLLM_CPU_OMP_THREADS_BIND): thread count changes bf16 sums.
+    out = run_python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    texts = json.loads(out.split("RESULT", 1)[1])
+    return list(zip(prompts, texts))
+
+
+def _completions(deployment, prompts):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=p, max_tokens=OUTPUT_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts))
+
+    return [r.choices[0].text for r in asyncio.run(run())]
+
+
+def test_hybrid_state_and_kv_stream_token_exact(cluster, expected):
+    for prompt, text in expected[:len(LENGTHS)]:
+        assert _completions(cluster, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs"
+    streamed = cluster.worker_stats("decode-0").kv_bytes_received
+    assert streamed > 0
+
+
+def test_hybrid_eight_in_flight(cluster, expected):
+    pairs = expected[len(LENGTHS):]
+    assert _completions(cluster, [p for p, _ in pairs]) == [t for _, t in pairs]
+    with open(cluster.directory / "router.log") as log:
+        assert not re.search(r"prefill .* failed", log.read())

@@ -82,9 +82,6 @@ class PeerLink:
         """All frames of the transfer are queued; the END frame tells the receiver how many."""
         self._enqueue(transfer_id, END, memoryview(b""))
 
-    def abort(self, transfer_id: str, reason: str) -> None:
-        self._fail(transfer_id, reason)
-
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -1,6 +1,6 @@
 """``KVTransport``: send KV frames to peers and receive them from peers, over authenticated TCP.
 
-Thread model: ``send``/``finish``/``abort`` may be called from any thread and block only for
+Thread model: ``send``/``finish`` may be called from any thread and block only for
 backpressure; background threads do all socket I/O; ``poll`` returns what arrived (frames, then
 ``TransferDone`` or ``TransferFailed``) and is meant for one consuming thread.
 """
@@ -47,9 +47,6 @@ class KVTransport:
     def finish(self, peer: str, transfer_id: str) -> None:
         """No more frames for this transfer; the receiver completes it once all have arrived."""
         self._link(peer).finish(transfer_id)
-
-    def abort(self, peer: str, transfer_id: str, reason: str) -> None:
-        self._link(peer).abort(transfer_id, reason)
 
     def poll(self, wait_s: float = 0.0) -> list:
         """Events received so far, in arrival order; waits up to ``wait_s`` for the first one."""

@@ -16,7 +16,6 @@ import yaml
 
 from services.models import smollm2
 from support.deployment import deployment_config, run_python, wait_until
-from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -26,6 +26,9 @@ MAX_FORGOTTEN = 4096
 # While an engine only waits for streamed KV, vLLM runs empty steps back to back; blocking this long
 # for the next frame keeps those steps from spinning a core that a colocated engine needs.
 IDLE_WAIT_S = 0.005
+# KV for a request the engine has not admitted yet (it queues behind running ones) is staged this
+# long at least; only then is it taken for a transfer no request will ever claim.
+STAGED_TIMEOUT_S = 120.0
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class PrfaasConnectorWorker:
         self._sends: list[SendSpec] = []
         self._idle_step = False
         self._receiving: dict[str, _Receiving] = {}
+        self._released: set[str] = set()  # aborted while receiving: vLLM frees their blocks once told
         self._forgotten: OrderedDict[str, None] = OrderedDict()
         self._next_stats = 0.0
 
@@ -63,12 +67,16 @@ class PrfaasConnectorWorker:
         self.streams = self._streams_factory()
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
-        for transfer_id in meta.abandoned:
-            self._forget(transfer_id, "abandoned by the engine")
         for spec in meta.recvs:
             receiving = self._receiving.setdefault(spec.transfer_id, _Receiving())
             receiving.spec = spec
             receiving.last_activity = time.monotonic()
+        for transfer_id in meta.abandoned:
+            receiving = self._receiving.get(transfer_id)
+            if receiving is not None and receiving.spec is not None:
+                # vLLM keeps an aborted request's blocks until its receive is reported finished.
+                self._released.add(receiving.spec.req_id)
+            self._forget(transfer_id, "abandoned by the engine")
         self._sends = meta.sends
         self._idle_step = meta.idle
 
@@ -189,17 +197,18 @@ class PrfaasConnectorWorker:
                 for i, b in enumerate(group_ids[frame.block_start:end])]
 
     def _expire_idle(self, failed: dict[str, str]) -> None:
-        deadline = time.monotonic() - self._idle_timeout_s
+        now = time.monotonic()
         for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.last_activity >= deadline or (receiving.done and receiving.spec is not None):
-                continue
+            idle_s = now - receiving.last_activity
             if receiving.spec is None:
-                self._forget(transfer_id, "no request on this engine waits for it")
-            else:
+                if idle_s > max(self._idle_timeout_s, STAGED_TIMEOUT_S):
+                    self._forget(transfer_id, "no request on this engine waits for it")
+            elif idle_s > self._idle_timeout_s and not receiving.done:
                 failed.setdefault(transfer_id, f"no KV received for {self._idle_timeout_s:.0f} s")
 
     def _collect(self, failed: dict[str, str]) -> TransferResults:
-        finished, failed_req_ids = set(), set()
+        finished, failed_req_ids = self._released, set()
+        self._released = set()
         for transfer_id, reason in failed.items():
             receiving = self._receiving.get(transfer_id)
             if receiving is not None and receiving.spec is not None:

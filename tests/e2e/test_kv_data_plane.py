@@ -1,19 +1,20 @@
 """The KV data plane end to end: real vLLM engines in separate processes, KV over real TCP.
 
-A PrfaaS prefill worker streams every prompt's KV (threshold 0) to a decode-role worker; greedy
-outputs must equal a colocated vLLM engine's token for token. Chunk boundaries change bf16
-results, so the baseline prefills with the same chunks the producer used: budget
-``min(N-1, BUDGET)`` with N-1 a multiple of it (see the module's prompt lengths), and with one
-OpenMP thread, as each worker here has.
+Prompts longer than the threshold prefill on a PrfaaS prefill worker, shorter ones on a local
+prefill-role worker (the PD path); both stream the KV to one decode-role worker, whose greedy
+outputs must equal a colocated vLLM engine's token for token. The reference engine is built as the
+workers are (see support/baseline.py); prompt lengths keep its chunks equal to the producers':
+``N-1`` is shorter than the budget or a multiple of it.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
-import json
 import os
 import random
 import re
 import socket
+import threading
 import time
 import urllib.request
 import uuid
@@ -25,16 +26,21 @@ from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.kv_transport import protocol
-from support.deployment import Deployment, deployment_config, run_python, wait_until
+from support.baseline import colocated_greedy
+from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m-instruct"
 BUDGET = 128                   # max_num_batched_tokens of every engine here
+THRESHOLD = 300                # longer prompts take the PrfaaS path, shorter ones the PD path
 SECRET = "e2e-kv-secret"
 OUTPUT_TOKENS = 32
-LENGTHS = (65, 257, 385)       # N-1 = 64 (shorter than the budget), 2 and 3 budgets
+PRFAAS_LENGTHS = (385, 513)    # N-1 = 3 and 4 budgets
+PD_LENGTHS = (65, 257)         # N-1 shorter than the budget, 2 budgets
+IN_FLIGHT = (385, 513) * 4     # 8 PrfaaS requests at once
+KILLED_LENGTH = 1921           # long enough to kill its prefill worker mid-transfer
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -70,13 +76,15 @@ def cluster(tmp_path_factory):
     config = deployment_config(
         [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
+         {"name": "pd-p", "service": "decode_worker", "role": "prefill", "engine": engine,
+          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
          {"name": "pd-d", "service": "decode_worker", "role": "decode", "kv_port": free_port(),
           "engine": {**engine, "max_num_seqs": 1}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
-        scheduler={"offload_threshold_tokens": 0},
+        scheduler={"offload_threshold_tokens": THRESHOLD},
         transport={"secret": SECRET, "recv_idle_timeout_s": 10.0},
     )
     deployment = Deployment(config, tmp_path_factory.mktemp("kv")).start()
-    yield {"deployment": deployment, "prfaas_url": deployment.base_url}
+    yield deployment
     deployment.stop()
 
 
@@ -88,76 +96,78 @@ def _get(url: str) -> str | None:
         return None
 
 
-def _routed(url: str, path: str) -> float:
-    match = re.search(rf'prfaas_router_routed_requests_total{{path="{path}"}} (\S+)', _get(url + "/metrics") or "")
+def _metric(url: str, sample: str) -> float:
+    """A sample's value on the router's /metrics (``name{labels}`` as exported), 0 when absent."""
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", _get(url + "/metrics") or "", re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
-def _baseline(prompts: list[list[int]], budgets: list[int]) -> list[str]:
-    """Greedy text from one colocated vLLM engine per chunk budget (in-process engines)."""
-    from services.models import smollm2
-
-    code = f"""
-import json
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-prompts, budgets = {prompts!r}, {budgets!r}
-params = SamplingParams(temperature=0, max_tokens={OUTPUT_TOKENS}, ignore_eos=True)
-texts = [None] * len(prompts)
-for budget in sorted(set(budgets)):
-    llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0,
-              max_num_batched_tokens=budget, max_num_seqs=min(64, budget))
-    for i, ids in enumerate(prompts):
-        if budgets[i] == budget:
-            texts[i] = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0].outputs[0].text
-    del llm
-print("RESULT" + json.dumps(texts))
-"""
-    # One OpenMP thread, as each worker here has (VLLM_CPU_OMP_THREADS_BIND): thread count changes bf16 sums.
-    out = run_python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                "VLLM_CPU_OMP_THREADS_BIND": "0"})
-    return json.loads(out.split("RESULT", 1)[1])
+def _routed(url: str, path: str) -> float:
+    return _metric(url, f'prfaas_router_routed_requests_total{{path="{path}"}}')
 
 
 def _budget(length: int) -> int:
     return min(length - 1, BUDGET)
 
 
-BAD_FRAMES = ("corrupted", "oversized")
+BAD_FRAMES = ("corrupted", "oversized", "truncated")
 
 
 @pytest.fixture(scope="module")
 def expected():
     """Distinct prompts per test (a prompt already in the decode worker's prefix cache loads nothing)."""
-    sets = {"prfaas": [_prompt(n, seed=n) for n in LENGTHS]}
+    sets = {"prfaas": [_prompt(n, seed=n) for n in PRFAAS_LENGTHS],
+            "pd": [_prompt(n, seed=n) for n in PD_LENGTHS],
+            "in_flight": [_prompt(n, seed=100 + i) for i, n in enumerate(IN_FLIGHT)],
+            "killed": [_prompt(KILLED_LENGTH, seed=KILLED_LENGTH)]}
     for k, case in enumerate(BAD_FRAMES):
-        sets[case] = [_prompt(LENGTHS[1], seed=5000 + k)]
+        sets[case] = [_prompt(257, seed=5000 + k)]
     prompts = [p for group in sets.values() for p in group]
-    texts = iter(_baseline(prompts, [_budget(len(p)) for p in prompts]))
+    from services.models import smollm2
+
+    texts = iter(colocated_greedy(str(smollm2.prepare()), prompts, [_budget(len(p)) for p in prompts], OUTPUT_TOKENS))
     return {name: [(p, next(texts)) for p in group] for name, group in sets.items()}
 
 
-def test_streamed_kv_gives_the_colocated_engines_tokens(cluster, expected):
-    url = cluster["prfaas_url"]
-    before = _routed(url, "prfaas")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    for prompt, text in expected["prfaas"]:
-        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
-        assert reply.usage.prompt_tokens == len(prompt)
-        assert reply.usage.completion_tokens == OUTPUT_TOKENS
-        assert reply.choices[0].text == text, f"prompt of {len(prompt)} tokens differs on the PrfaaS path"
-    assert _routed(url, "prfaas") - before == len(expected["prfaas"])
-    assert _routed(url, "local") == 0
+def _completions(url: str, prompts: list[list[int]]) -> list[str]:
+    """Greedy completions through the router, all in flight at once, with the official client."""
+    async def run():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as client:
+            replies = await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=p, max_tokens=OUTPUT_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts))
+        for prompt, reply in zip(prompts, replies):
+            assert reply.usage.prompt_tokens == len(prompt)
+            assert reply.usage.completion_tokens == OUTPUT_TOKENS
+        return [reply.choices[0].text for reply in replies]
+
+    return asyncio.run(run())
+
+
+def test_streamed_kv_gives_the_colocated_engines_tokens_on_both_paths(cluster, expected):
+    url = cluster.base_url
+    before = {path: _routed(url, path) for path in ("prfaas", "pd", "local")}
+    for path in ("prfaas", "pd"):
+        for prompt, text in expected[path]:
+            assert _completions(url, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs on the {path} path"
+    assert _routed(url, "prfaas") - before["prfaas"] == len(expected["prfaas"])
+    assert _routed(url, "pd") - before["pd"] == len(expected["pd"])
+    assert _routed(url, "local") == before["local"] == 0
+
+
+def test_eight_requests_in_flight_stream_their_kv_exactly(cluster, expected):
+    pairs = expected["in_flight"]
+    assert _completions(cluster.base_url, [p for p, _ in pairs]) == [t for _, t in pairs]
+    assert "KV transfer dropped" not in cluster.child("pd-d").log_tail(400)
+    assert _metric(cluster.base_url, "prfaas_router_prefill_fallbacks_total") == 0
 
 
 def test_transport_telemetry_reaches_the_router_metrics(cluster):
-    deployment = cluster["deployment"]
-    assert wait_until(lambda: deployment.worker_stats("prefill-0").kv_links, 15)
-    link = deployment.worker_stats("prefill-0").kv_links[0]
+    assert wait_until(lambda: cluster.worker_stats("prefill-0").kv_links, 15)
+    link = cluster.worker_stats("prefill-0").kv_links[0]
     assert link.connections >= 1 and link.bytes_sent > 0 and link.transfers_sent >= 1 and link.rtt_ms > 0
-    assert deployment.worker_stats("pd-d").kv_bytes_received > 0
-    metrics = _get(cluster["prfaas_url"] + "/metrics")
+    assert cluster.worker_stats("pd-d").kv_bytes_received > 0
+    metrics = _get(cluster.base_url + "/metrics")
     assert re.search(r'prfaas_kv_link_goodput_bits_per_second\{peer="[^"]+",worker="prefill-0"\} [1-9]', metrics)
 
 
@@ -180,6 +190,8 @@ def _kv_socket(deployment, secret: str = SECRET) -> socket.socket:
 
 
 def _bad_frame(case: str, transfer_id: str) -> bytes:
+    """One frame for ``transfer_id`` that the receiver must refuse: a flipped checksum, a length
+    beyond the frame limit, or half the announced payload before the connection closes."""
     payload = os.urandom(65536)
     header = bytearray(protocol.encode_header(protocol.DATA, transfer_id, 0, 0, 0, 1, 0, payload))
     fields = list(protocol.HEADER.unpack(bytes(header[:protocol.HEADER.size])))
@@ -188,28 +200,54 @@ def _bad_frame(case: str, transfer_id: str) -> bytes:
     elif case == "oversized":
         fields[-2] = 1 << 40
     header[:protocol.HEADER.size] = protocol.HEADER.pack(*fields)
-    return bytes(header) + (payload if case != "oversized" else b"")
+    body = {"corrupted": payload, "oversized": b"", "truncated": payload[:len(payload) // 2]}[case]
+    return bytes(header) + body
 
 
 @pytest.mark.parametrize("case", BAD_FRAMES)
 def test_bad_frames_make_the_request_recompute_and_the_worker_keeps_serving(cluster, expected, case):
-    deployment = cluster["deployment"]
     ((prompt, text),) = expected[case]
     transfer_id = f"bad-{case}-{uuid.uuid4().hex[:8]}"
-    channel, call = _decode_generate(deployment, transfer_id, prompt)
+    channel, call = _decode_generate(cluster, transfer_id, prompt)
     try:
-        time.sleep(1.0)  # the engine has allocated blocks and waits for KV
-        sock = _kv_socket(deployment)
+        assert wait_until(lambda: cluster.worker_stats("pd-d").num_active_requests == 1, 30)
+        time.sleep(0.5)  # the engine has allocated the request's blocks and waits for KV
+        sock = _kv_socket(cluster)
         sock.sendall(_bad_frame(case, transfer_id))
+        if case == "truncated":
+            sock.close()
         tokens = "".join(message.text for message in call)
         sock.close()
     finally:
         channel.close()
-    # A failed load recomputes the prompt locally: the same chunks as the baseline, the same tokens.
+    # A failed load recomputes the prompt locally: the same chunks as the reference, the same tokens.
     assert tokens == text
-    assert transfer_id in deployment.child("pd-d").log_tail(400)
-    client = openai.OpenAI(base_url=cluster["prfaas_url"] + "/v1", api_key="none", max_retries=0, timeout=300)
-    assert client.completions.create(model=MODEL, prompt=_prompt(300, seed=6000 + BAD_FRAMES.index(case)), max_tokens=4,
-                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+    assert re.search(rf"{transfer_id}: KV transfer dropped", cluster.child("pd-d").log_tail(400))
+    assert _completions(cluster.base_url, [_prompt(385, seed=6000 + BAD_FRAMES.index(case))])
 
 
+def test_an_unauthenticated_peer_is_refused_and_logged(cluster):
+    with pytest.raises(protocol.HandshakeRefused):
+        _kv_socket(cluster, secret="not-the-secret")
+    assert wait_until(lambda: "refused KV connection" in cluster.child("pd-d").log_tail(200), 10)
+    assert _completions(cluster.base_url, [_prompt(385, seed=7000)])
+
+
+def test_killing_the_prefill_worker_mid_transfer_falls_back_without_leaks(cluster, expected):
+    """Last in the module: it leaves the PrfaaS cluster dead."""
+    ((prompt, text),) = expected["killed"]
+    idle_usage = cluster.worker_stats("pd-d").kv_cache_usage
+    result: list[str] = []
+    client = threading.Thread(target=lambda: result.extend(_completions(cluster.base_url, [prompt])))
+    client.start()
+    # Kill a few chunks into the prefill (it takes seconds here): some layers' KV has left, not all.
+    assert wait_until(lambda: cluster.worker_stats("prefill-0").num_active_requests == 1, 60, interval_s=0.02)
+    time.sleep(0.5)
+    cluster.kill("prefill-0")
+    client.join(timeout=300)
+    assert result == [text]
+    assert _metric(cluster.base_url, "prfaas_router_prefill_fallbacks_total") == 1
+    stats = lambda: cluster.worker_stats("pd-d")  # noqa: E731
+    idle = lambda s: s.num_active_requests == s.num_running_requests == s.num_waiting_requests == 0  # noqa: E731
+    assert wait_until(lambda: idle(stats()) and stats().kv_cache_usage <= idle_usage, 30), \
+        f"pd-d did not return to idle: {stats()}"

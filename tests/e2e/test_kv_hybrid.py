@@ -3,19 +3,19 @@ layer). The prefill worker streams the attention layer's blocks while it compute
 linear-attention state pages when the prefill ends; the decode worker must then generate exactly
 what one colocated engine generates. Prefix caching is off (with it, vLLM keeps one state page per
 block-aligned position, a mode the cache-pool issue covers) and chunks are aligned as in
-test_kv_data_plane.py.
+test_kv_data_plane.py, against a reference engine built as in support/baseline.py.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 
 import openai
 import pytest
 
-from support.deployment import Deployment, deployment_config, run_python
+from support.baseline import colocated_greedy
+from support.deployment import Deployment, deployment_config
 from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -54,27 +54,7 @@ def expected():
     budgets = [min(len(p) - 1, BUDGET) for p in prompts]
     from services.models import tiny_hybrid
 
-    code = f"""
-import json
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-prompts, budgets = {prompts!r}, {budgets!r}
-params = SamplingParams(temperature=0, max_tokens={OUTPUT_TOKENS}, ignore_eos=True)
-tokens = [None] * len(prompts)
-for budget in sorted(set(budgets)):
-    llm = LLM(model={str(tiny_hybrid.prepare())!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True,
-              seed=0, max_num_batched_tokens=budget, max_num_seqs=min(64, budget), enable_prefix_caching=False)
-    for i, ids in enumerate(prompts):
-        if budgets[i] == budget:
-            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0].outputs[0]
-            tokens[i] = out.text
-    del llm
-print("RESULT" + json.dumps(tokens))
-"""
-    # One OpenMP thread, as each worker here has (VLLM_CPU_OMP_THREADS_BIND): thread count changes bf16 sums.
-    out = run_python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                "VLLM_CPU_OMP_THREADS_BIND": "0"})
-    texts = json.loads(out.split("RESULT", 1)[1])
+    texts = colocated_greedy(str(tiny_hybrid.prepare()), prompts, budgets, OUTPUT_TOKENS, enable_prefix_caching=False)
     return list(zip(prompts, texts))
 
 

@@ -1,0 +1,39 @@
+"""The reference of every token-identity test: greedy outputs of one colocated vLLM engine.
+
+The engine is built as the workers build theirs, because the CPU build's bf16 results depend on
+more than the model and the prompt:
+- the engine core runs in its own process (an in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0,
+  gives different logits for some prompts on this build);
+- one OpenMP thread, as each test worker has (``VLLM_CPU_OMP_THREADS_BIND``): the thread count
+  changes the order of bf16 sums;
+- the same chunks: a prompt of N tokens is prefilled with the caller's budget for it, which tests
+  choose so that the consumer's ``N-1`` tokens split into the producer's chunks.
+"""
+from __future__ import annotations
+
+import json
+
+from support.deployment import run_python
+
+
+def colocated_greedy(model_path: str, prompts: list[list[int]], budgets: list[int], max_tokens: int,
+                     **engine) -> list[str]:
+    """Text of ``max_tokens`` greedy tokens (EOS ignored) per prompt, each prefilled with its budget."""
+    code = f"""
+import json
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+prompts, budgets = {prompts!r}, {budgets!r}
+params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
+texts = [None] * len(prompts)
+for budget in sorted(set(budgets)):
+    llm = LLM(model={model_path!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0,
+              max_num_batched_tokens=budget, max_num_seqs=min(64, budget), **{engine!r})
+    for i, ids in enumerate(prompts):
+        if budgets[i] == budget:
+            texts[i] = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+print("RESULT" + json.dumps(texts))
+"""
+    out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    return json.loads(out.split("RESULT", 1)[1])

@@ -29,26 +29,32 @@ def require(tool: str, package: str) -> str:
 
 
 def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
-                seconds: float | None = None) -> float:
-    """Receiver-side goodput of one iperf3 run with ``streams`` parallel TCP streams."""
+                seconds: float | None = None, attempts: int = 5) -> float:
+    """Receiver-side goodput of one iperf3 run with ``streams`` parallel TCP streams (a run that
+    iperf3 itself reports as failed is repeated with a fresh server)."""
     require("iperf3", "iperf3")
-    port = free_port()
     wrap = ["ip", "netns", "exec", netns] if netns else []
-    server = subprocess.Popen(wrap + ["iperf3", "-s", "-1", "-p", str(port)] + (["-B", bind] if bind else []),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
-        for _ in range(50):
-            result = subprocess.run(["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
-                                    capture_output=True, text=True)
-            if result.returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"iperf3 failed: {result.stdout[-500:]} {result.stderr[-500:]}")
-        return json.loads(result.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
-    finally:
-        server.wait(timeout=30)
+    amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
+    error = ""
+    for _ in range(attempts):
+        port = free_port()
+        server = subprocess.Popen(wrap + ["iperf3", "-s", "-1", "-p", str(port)] + (["-B", bind] if bind else []),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(50):  # until the server listens
+                result = subprocess.run(["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
+                                        capture_output=True, text=True)
+                if "unable to connect" not in result.stdout + result.stderr:
+                    break
+                time.sleep(0.1)
+            try:
+                return json.loads(result.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
+            except (ValueError, KeyError):
+                error = (result.stdout[-300:] + result.stderr[-300:]).strip()
+        finally:
+            server.kill()
+            server.wait()
+    raise RuntimeError(f"iperf3 failed {attempts} times; last output: {error}")
 
 
 def median(values) -> float:

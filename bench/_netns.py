@@ -31,10 +31,7 @@ def wan_link(rate_mbit: int, loss_percent: int = 0, buffer_ms: int = 20):
         for argv in (("ip", "addr", "add", f"{NS_ADDR}/30", "dev", ns_if), ("ip", "link", "set", ns_if, "up"),
                      ("ip", "link", "set", "lo", "up")):
             _run("ip", "netns", "exec", ns, *argv)
-        burst = max(rate_mbit * 125, 131072)  # bytes: 1 ms at the cap, and room for a 64 KiB GSO packet
-        limit = rate_mbit * 1000 // 8 * buffer_ms        # bytes: the bottleneck queue
-        _run("tc", "qdisc", "add", "dev", host_if, "root", "tbf", "rate", f"{rate_mbit}mbit",
-             "burst", str(burst), "limit", str(limit))
+        set_rate(ns, rate_mbit, buffer_ms, action="add")
         _run("ethtool", "-K", host_if, "tso", "off", "gso", "off") if _has("ethtool") else None
         if loss_percent:
             rules = (f"table inet {tag} {{\n chain input {{\n  type filter hook input priority 0; policy accept;\n"
@@ -44,6 +41,18 @@ def wan_link(rate_mbit: int, loss_percent: int = 0, buffer_ms: int = 20):
     finally:
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def set_rate(ns: str, rate_mbit: int, buffer_ms: int = 20, action: str = "change") -> None:
+    """(Re)cap the link into namespace ``ns`` made by ``wan_link``."""
+    burst = max(rate_mbit * 125, 131072)  # bytes: 1 ms at the cap, and room for a 64 KiB GSO packet
+    limit = rate_mbit * 1000 // 8 * buffer_ms        # bytes: the bottleneck queue
+    _run("tc", "qdisc", action, "dev", _host_if(ns), "root", "tbf", "rate", f"{rate_mbit}mbit",
+         "burst", str(burst), "limit", str(limit))
+
+
+def _host_if(ns: str) -> str:
+    return ns.removesuffix("ns") + "a"
 
 
 def _has(tool: str) -> bool:

@@ -77,7 +77,7 @@ def run_vllm(args, out: Path) -> dict:
 
 def measure(process: subprocess.Popen, base_url: str, args, out: Path) -> dict:
     try:
-        wait_http(base_url + "/v1/models", process)
+        wait_http(base_url + "/health", process)  # both answer 200 only once they can serve
         return {c: bench(base_url, c, args, out) for c in (1, 8)}
     finally:
         process.terminate()

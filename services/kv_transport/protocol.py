@@ -102,10 +102,11 @@ def recv_exactly(conn: socket.socket, size: int, *, eof_ok: bool = False) -> byt
     return bytes(buffer)
 
 
-def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = False) -> memoryview | None:
+def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = False,
+                      flags: int = 0) -> memoryview | None:
     received = 0
     while received < len(view):
-        n = conn.recv_into(view[received:])
+        n = conn.recv_into(view[received:], 0, flags)
         if n == 0:
             if received == 0 and eof_ok:
                 return None

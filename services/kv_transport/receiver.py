@@ -13,9 +13,12 @@ import logging
 import queue
 import socket
 import ssl
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy
 
 from services.kv_transport.events import ByteBudget, Frame, TransferDone, TransferFailed
 from services.kv_transport.protocol import (ABORT, DATA, END, HandshakeRefused, ProtocolError, read_header,
@@ -91,20 +94,23 @@ class Receiver:
             conn.close()
 
     def _read_frames(self, conn: socket.socket, peer: str, seen: set[str]) -> None:
+        plain = not isinstance(conn, ssl.SSLSocket)
+        if plain:
+            conn.settimeout(None)
         while True:
-            conn.settimeout(None)  # idle between transfers is normal
+            _read_timeout(conn, None, plain)  # idle between transfers is normal
             header = read_header(conn, self._settings.max_frame_bytes)
             if header is None:
                 self._fail_incomplete(seen, f"KV connection from {peer} closed")
                 return
-            conn.settimeout(self._settings.io_timeout_s)
+            _read_timeout(conn, self._settings.io_timeout_s, plain)
             seen.add(header.transfer_id)
             if len(seen) > 1024:
                 seen.difference_update([t for t in seen if self._is_forgotten(t)])
             self.staging.acquire(header.length)
-            payload = memoryview(bytearray(header.length))
+            payload = memoryview(numpy.empty(header.length, numpy.uint8))  # not zero-filled: recv overwrites it
             try:
-                recv_into_exactly(conn, payload)
+                recv_into_exactly(conn, payload, flags=socket.MSG_WAITALL if plain else 0)
             except BaseException:
                 self.staging.release(header.length)
                 raise
@@ -165,3 +171,14 @@ class Receiver:
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
+
+
+def _read_timeout(conn: socket.socket, seconds: float | None, plain: bool) -> None:
+    """Plain sockets stay blocking with a kernel timeout (SO_RCVTIMEO), so a whole frame arrives in
+    one ``recv(MSG_WAITALL)``; Python's own socket timeouts cost a poll and a recv per segment."""
+    if not plain:
+        conn.settimeout(seconds)
+        return
+    whole = 0 if seconds is None else int(seconds)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", whole, 0 if seconds is None else int((seconds - whole) * 1e6)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import deque
@@ -157,7 +158,14 @@ class PeerLink:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
             client_handshake(sock, self._settings.secret_bytes)
-            sock.settimeout(self._settings.io_timeout_s)
+            if self._tls is None:
+                # Blocking with a kernel timeout: one sendmsg moves a whole frame, where Python's own
+                # socket timeouts cost a poll and a send per buffer-full.
+                sock.settimeout(None)
+                seconds = int(self._settings.io_timeout_s)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
+            else:
+                sock.settimeout(self._settings.io_timeout_s)
             return sock
         except (OSError, HandshakeRefused) as exc:
             if sock is not None:

@@ -137,7 +137,7 @@ for ids in {prompts!r}:
     results.append({{"text": out.text, "token_ids": list(out.token_ids)}})
 print("RESULT" + json.dumps(results))
 """
-    out = run_python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     return json.loads(out.split("RESULT", 1)[1])
 
 

@@ -73,8 +73,11 @@ def test_bench_serve_matches_what_vllm_reports(vllm_server, tmp_path, endpoint):
     assert not result.get("router_metrics")  # vLLM's server is not a PrfaaS router
 
 
-def test_a_wrong_model_is_reported_and_partial_results_are_written(vllm_server, tmp_path):
+def test_a_wrong_model_is_a_clear_error_with_a_result_file(vllm_server, tmp_path):
     run, result = _bench(vllm_server, tmp_path, "--model", "no-such-model")
     assert run.returncode == 0  # errors alone exit 0 unless --fail-on-error
-    assert result["completed"] == 0 and result["failed"] == NUM_PROMPTS
-    assert "404" in json.dumps(result["errors_by_status"])
+    assert "no-such-model" in result["fatal_error"] and MODEL in result["fatal_error"]  # names what is served
+    assert "no-such-model" in run.stdout + run.stderr and "Traceback" not in run.stderr
+    assert result["completed"] == 0
+    run, _ = _bench(vllm_server, tmp_path, "--model", "no-such-model", "--fail-on-error")
+    assert run.returncode != 0

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "services.router.cli",          # router
     "services.prefill_worker.cli",  # prefill-worker
     "services.decode_worker.cli",   # decode-worker
+    "services.cache_pool.cli",      # cache-pool
     "services.planner.cli",         # plan
     "services.simulator.cli",       # simulate
     "services.loadgen.cli",         # bench

@@ -1,0 +1,7 @@
+"""The hybrid prefix cache pool (one per cluster) and the global index across clusters.
+
+``pool.CachePool`` is the plain core (memory tier ``memory.py``, SSD tier ``ssd.py``, usable-prefix
+rule ``usable.py``); ``server.py`` serves it over gRPC (proto/prfaas/v1/cache_pool.proto),
+``client.py`` and ``index.GlobalCacheIndex`` query it, ``hashing.py`` computes vLLM-compatible
+block hashes.
+"""

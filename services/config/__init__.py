@@ -1,21 +1,25 @@
 """Deployment configuration: one YAML file per deployment, loaded into frozen dataclasses."""
 from services.config.load import ConfigError, load_config, parse_config
 from services.config.schema import (
+    CachePoolConfig,
     DeploymentConfig,
     EngineConfig,
     LoggingConfig,
     ModelConfig,
+    QosClassConfig,
     RouterConfig,
     SchedulerConfig,
     WorkerConfig,
 )
 
 __all__ = [
+    "CachePoolConfig",
     "ConfigError",
     "DeploymentConfig",
     "EngineConfig",
     "LoggingConfig",
     "ModelConfig",
+    "QosClassConfig",
     "RouterConfig",
     "SchedulerConfig",
     "WorkerConfig",

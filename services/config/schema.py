@@ -31,6 +31,8 @@ class EngineConfig:
     enforce_eager: bool = _opt(True, "Skip torch.compile and CUDA graphs (fast start; slower steps on GPU).")
     cpu_kvcache_space_gib: int = _opt(1, "KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory vLLM may use on GPU hosts.")
+    tensor_parallel_size: int = _opt(1, "GPUs one engine shards the model across (vLLM tensor parallelism); "
+                                     "give each worker pod as many `nvidia.com/gpu`.")
     max_num_seqs: int = _opt(64, "Most requests one engine runs at once.")
     max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's default when null.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
@@ -75,11 +77,85 @@ class RouterConfig:
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QosClassConfig:
+    name: str = _required("Class name, as clients send it in the `X-PrfaaS-QoS` header.")
+    priority: int = _opt(0, "Higher is more important: lower-priority classes are rejected first as load grows.")
+    reserved_fraction: float = _opt(
+        0.0, "Fraction of the admission capacity kept for this class and higher ones (0..1); lower classes "
+        "cannot use it.")
+    ttft_slo_ms: float = _opt(0.0, "Time-to-first-token SLO; a request whose predicted TTFT exceeds it is "
+                              "rejected with 429. 0: no TTFT check.")
+    api_keys: tuple[str, ...] = _opt((), "API keys mapped to this class: their requests get it by default and "
+                                     "may not ask for a higher-priority class by header.")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     offload_threshold_tokens: int = _opt(
         1024, "Prompts whose uncached part is longer than this prefill on the PrfaaS cluster."
     )
+    admission_control: bool = _opt(
+        False, "Reject requests early (429 with `Retry-After`) when the predicted TTFT exceeds their class's "
+        "SLO or the router is at capacity, and 503 when no worker can serve; turns on QoS classes.")
+    max_in_flight_requests: int = _opt(
+        0, "Admission capacity: requests the router runs at once. 0: `engine.max_num_seqs` per healthy "
+        "generating worker.")
+    prefill_tokens_per_s: dict = _opt(
+        {}, "Prefill rate per path (`local`, `pd`, `prfaas`) in tokens/s for TTFT prediction until the router "
+        "has measured it from finished prefills; paths without a rate or measurement skip the TTFT check.")
+    retry_after_s: int = _opt(1, "`Retry-After` seconds of capacity and 503 rejections (TTFT rejections "
+                              "use the predicted excess, at least this).")
+    qos_classes: tuple[QosClassConfig, ...] = _opt(
+        (), "QoS classes for admission control; empty: one class `default` without a TTFT SLO.")
+    default_qos_class: str = _opt("default", "Class of requests without an `X-PrfaaS-QoS` header or mapped key.")
+    adaptive_threshold: bool = _opt(
+        False, "Adjust the offload threshold every stats interval from the PrfaaS prefill workers' KV link "
+        "telemetry, and stop offloading while no PrfaaS prefill worker is healthy with a working link.")
+    link_capacity_gbps: float = _opt(10.0, "Capacity of the link from the PrfaaS cluster, Gbit/s (egress "
+                                     "utilization = measured egress rate / this).")
+    max_offload_threshold_tokens: int | None = _opt(
+        None, "Highest threshold the adaptive controller may set; null: `model.max_model_len`.")
+    threshold_raise_utilization: float = _opt(0.85, "Egress utilization above which the threshold is raised.")
+    threshold_lower_utilization: float = _opt(
+        0.6, "Egress utilization below which (without congestion) the threshold is lowered toward the base.")
+    threshold_step: float = _opt(1.5, "Factor by which one adjustment raises (or lowers) the threshold.")
+    threshold_hold_s: float = _opt(5.0, "Least time between two threshold changes, and before offloading "
+                                   "resumes after a link failure.")
+    congestion_retransmit_ratio: float = _opt(
+        0.01, "Retransmitted share of sent segments in one stats interval that counts as congestion.")
+    congestion_rtt_increase_ms: float = _opt(
+        20.0, "RTT rise over the lowest RTT seen on a link that counts as congestion.")
+    congestion_queue_depth: int = _opt(
+        8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion.")
+
+    def validate(self) -> None:
+        from services.config.scheduler_checks import check_scheduler
+
+        check_scheduler(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CachePoolConfig:
+    name: str = _required("Unique cache pool name, used in logs, metrics and `prfaas cache-pool --name`.")
+    cluster: Literal["prfaas", "local"] = _opt("local", "Which cluster the pool serves (at most one pool per cluster).")
+    host: str = _opt("127.0.0.1", "Address the pool's gRPC server binds and clients dial.")
+    port: int = _required("gRPC port of the pool (CachePool service in proto/prfaas/v1/cache_pool.proto, "
+                          "grpc.health.v1).")
+    metrics_port: int | None = _opt(None, "HTTP port of the pool's Prometheus `/metrics`; none when null.")
+    memory_budget_gib: float = _opt(
+        4.0, "Host memory for block data in GiB, counted exactly; the process' own overhead comes on top.")
+    ssd_dir: str | None = _opt(None, "Directory of the SSD tier (its block files are removed at start); no SSD "
+                               "tier when null.")
+    ssd_budget_gib: float = _opt(16.0, "Size the SSD tier's files may take in GiB.")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.memory_budget_gib * 2**30)
+
+    @property
+    def ssd_budget_bytes(self) -> int:
+        return int(self.ssd_budget_gib * 2**30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +171,8 @@ class DeploymentConfig:
     engine: EngineConfig = _opt(EngineConfig(), "vLLM engine settings shared by all workers.")
     router: RouterConfig = _opt(RouterConfig(), "The OpenAI-compatible router.")
     workers: tuple[WorkerConfig, ...] = _opt((), "The prefill and decode workers.")
+    cache_pools: tuple[CachePoolConfig, ...] = _opt(
+        (), "Hybrid prefix cache pools (`prfaas cache-pool`), at most one per cluster.")
     scheduler: SchedulerConfig = _opt(SchedulerConfig(), "Where each request's prefill runs.")
     logging: LoggingConfig = _opt(LoggingConfig(), "Logging of every service.")
     transport: dict = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or `secret_env` "
@@ -102,9 +180,12 @@ class DeploymentConfig:
                            "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see services/kv_transport/settings.py.")
 
     def validate(self) -> None:
+        from services.config.cache_pool_checks import check_cache_pools
         from services.kv_transport.settings import TransportSettings
 
         TransportSettings.of(self.transport)
+        check_cache_pools(self)
+        self.scheduler.validate()
         names = [w.name for w in self.workers]
         for i, name in enumerate(names):
             if names.index(name) != i:
@@ -134,6 +215,13 @@ class DeploymentConfig:
             if worker.name == name:
                 return worker
         raise ConfigError(f"no worker named {name!r} (configured: {', '.join(w.name for w in self.workers)})")
+
+    def cache_pool(self, name: str) -> CachePoolConfig:
+        for pool in self.cache_pools:
+            if pool.name == name:
+                return pool
+        raise ConfigError(f"no cache pool named {name!r} (configured: "
+                          f"{', '.join(p.name for p in self.cache_pools) or 'none'})")
 
     def engine_for(self, worker: WorkerConfig) -> EngineConfig:
         from dataclasses import replace

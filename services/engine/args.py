@@ -54,6 +54,7 @@ def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=
         dtype=model.dtype,
         enforce_eager=engine.enforce_eager,
         gpu_memory_utilization=engine.gpu_memory_utilization,
+        tensor_parallel_size=engine.tensor_parallel_size,
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         enable_prefix_caching=engine.enable_prefix_caching,

@@ -1,0 +1,71 @@
+"""`prfaas cache-pool`: run one cluster's hybrid prefix cache pool."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cache-pool",
+        help="run a cluster's hybrid prefix cache pool",
+        description="Run one entry of `cache_pools:` from the deployment config: the CachePool gRPC service "
+        "(proto/prfaas/v1/cache_pool.proto) with gRPC health checking, and Prometheus /metrics on "
+        "`metrics_port` when set.",
+    )
+    parser.add_argument("--config", required=True, help="deployment YAML file (see deploy/local.yaml)")
+    parser.add_argument("--name", required=True, help="which entry of `cache_pools:` in the config to run")
+    parser.add_argument("--host", help="override the pool's bind address from the config")
+    parser.add_argument("--port", type=int, help="override the pool's gRPC port from the config")
+    parser.add_argument("--metrics-port", type=int, help="override the pool's metrics_port from the config")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override logging.level")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from services.config import ConfigError, load_config
+    from services.logs import setup_logging
+
+    try:
+        config = load_config(args.config)
+        pool_config = config.cache_pool(args.name)
+    except ConfigError as exc:
+        print(f"prfaas: {exc}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("metrics_port", args.metrics_port))
+                 if v is not None}
+    pool_config = dataclasses.replace(pool_config, **overrides)
+    setup_logging(pool_config.name, args.log_level or config.logging.level, config.logging.json)
+    try:
+        serve_cache_pool(pool_config)
+    except OSError as exc:
+        logger.error("cache pool %s cannot start: %s", pool_config.name, exc)
+        return 1
+    return 0
+
+
+def serve_cache_pool(config, grace_s: float = 5.0) -> None:
+    """Serve until SIGTERM or SIGINT, then give in-flight calls ``grace_s`` to finish."""
+    from services.cache_pool.pool import CachePool
+    from services.cache_pool.server import PoolIdentity, start_pool_server
+    from services.cache_pool.ssd import SsdTier
+
+    ssd = SsdTier(config.ssd_dir, config.ssd_budget_bytes) if config.ssd_dir else None
+    pool = CachePool(config.memory_budget_bytes, ssd)
+    running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port)
+    if config.metrics_port is not None:
+        running.servicer.metrics.start_http_server(config.host, config.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s",
+                config.name, config.cluster, config.host, running.port, config.memory_budget_bytes,
+                f"{config.ssd_dir} ({config.ssd_budget_bytes} B)" if ssd else "off")
+    stop.wait()
+    logger.info("cache pool %s stopping", config.name)
+    running.stop(grace_s)

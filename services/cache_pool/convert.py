@@ -1,0 +1,98 @@
+"""Protobuf ↔ domain types of the cache pool; requests are validated here (``ValueError`` names the field)."""
+from __future__ import annotations
+
+from prfaas.v1 import cache_pool_pb2 as pb
+
+from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PoolStats
+
+KIND_TO_PROTO = {
+    GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,
+    GroupKind.LINEAR_ATTENTION: pb.GROUP_KIND_LINEAR_ATTENTION,
+}
+KIND_FROM_PROTO = {v: k for k, v in KIND_TO_PROTO.items()}
+
+
+def lookup_query_from_proto(request: pb.LookupRequest) -> LookupQuery:
+    _check_model(request.model)
+    if request.block_size == 0:
+        raise ValueError("block_size must be positive")
+    if not request.groups:
+        raise ValueError("groups is empty: list every KV-cache group of the model")
+    groups = tuple(_group_from_proto(g, i) for i, g in enumerate(request.groups))
+    if len({g.group_id for g in groups}) != len(groups):
+        raise ValueError("groups: a group_id is listed twice")
+    _check_hashes(request.block_hashes, "block_hashes")
+    return LookupQuery(request.model, request.block_size, tuple(request.block_hashes), groups)
+
+
+def lookup_query_to_proto(query: LookupQuery) -> pb.LookupRequest:
+    return pb.LookupRequest(
+        model=query.model, block_size=query.block_size, block_hashes=query.block_hashes,
+        groups=[pb.KvCacheGroup(group_id=g.group_id, kind=KIND_TO_PROTO[g.kind]) for g in query.groups])
+
+
+def lookup_response(result: LookupResult, pool: str, cluster: str) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        pool=pool, cluster=cluster, num_usable_blocks=result.num_usable_blocks,
+        num_usable_tokens=result.num_usable_tokens, num_full_attention_blocks=result.num_full_attention_blocks)
+
+
+def lookup_result_from_proto(response: pb.LookupResponse, block_size: int) -> LookupResult:
+    return LookupResult(response.num_usable_blocks, response.num_full_attention_blocks, block_size)
+
+
+def blocks_from_proto(blocks) -> list[Block]:
+    result = []
+    for i, block in enumerate(blocks):
+        _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
+        if not block.data:
+            raise ValueError(f"blocks[{i}].data is empty")
+        result.append(Block(block.group_id, block.block_hash, block.data))
+    return result
+
+
+def blocks_to_proto(blocks: list[Block]) -> list[pb.CacheBlock]:
+    return [pb.CacheBlock(group_id=b.group_id, block_hash=b.block_hash, data=b.data) for b in blocks]
+
+
+def check_put(request: pb.PutRequest) -> None:
+    _check_model(request.model)
+    if not request.blocks:
+        raise ValueError("blocks is empty")
+
+
+def block_refs_from_proto(request: pb.GetRequest) -> list[tuple[int, bytes]]:
+    _check_model(request.model)
+    if request.transfer_id:
+        if request.blocks:
+            raise ValueError("blocks must be empty with transfer_id (a transfer is read whole)")
+        return []
+    if not request.blocks:
+        raise ValueError("blocks is empty (and no transfer_id)")
+    _check_hashes([b.block_hash for b in request.blocks], "blocks[].block_hash")
+    return [(b.group_id, b.block_hash) for b in request.blocks]
+
+
+def stats_to_proto(stats: PoolStats, pool: str, cluster: str, num_lookups: int,
+                   lookup_seconds_total: float) -> pb.CachePoolStats:
+    fields = {name: getattr(stats, name) for name in stats.__slots__}
+    return pb.CachePoolStats(pool=pool, cluster=cluster, num_lookups=num_lookups,
+                             lookup_seconds_total=lookup_seconds_total, **fields)
+
+
+def _group_from_proto(group: pb.KvCacheGroup, index: int) -> KvCacheGroup:
+    kind = KIND_FROM_PROTO.get(group.kind)
+    if kind is None:
+        raise ValueError(f"groups[{index}].kind: {group.kind} is not allowed "
+                         "(allowed: GROUP_KIND_FULL_ATTENTION, GROUP_KIND_LINEAR_ATTENTION)")
+    return KvCacheGroup(group.group_id, kind)
+
+
+def _check_model(model: str) -> None:
+    if not model:
+        raise ValueError("model is empty: name the model and KV layout the blocks belong to")
+
+
+def _check_hashes(hashes, field: str) -> None:
+    if any(not h for h in hashes):
+        raise ValueError(f"{field}: empty hash")

@@ -1,0 +1,39 @@
+"""The host-memory tier: blocks in recency order, bytes counted exactly (``len`` of each value)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from services.cache_pool.types import BlockKey
+
+
+class MemoryLru:
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self.num_bytes = 0
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, marking it most recently used; None when absent."""
+        data = self._blocks.get(key)
+        if data is not None:
+            self._blocks.move_to_end(key)
+        return data
+
+    def add(self, key: BlockKey, data: bytes) -> bool:
+        """Store as most recently used; False (and only a refresh) when already stored."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return False
+        self._blocks[key] = data
+        self.num_bytes += len(data)
+        return True
+
+    def pop_oldest(self) -> tuple[BlockKey, bytes]:
+        key, data = self._blocks.popitem(last=False)
+        self.num_bytes -= len(data)
+        return key, data

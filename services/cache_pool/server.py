@@ -1,0 +1,123 @@
+"""gRPC servicer of the cache pool: converts protobuf, serializes calls into the plain ``CachePool``."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prfaas.v1 import cache_pool_pb2 as pb
+from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
+
+from services.cache_pool import convert
+from services.cache_pool.metrics import PoolMetrics
+from services.cache_pool.pool import CachePool
+from services.cache_pool.types import BlockMissingError, PoolFullError, PoolStats
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CachePool"].full_name
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolIdentity:
+    name: str
+    cluster: str
+
+
+class CachePoolServicer(pb_grpc.CachePoolServicer):
+    def __init__(self, pool: CachePool, identity: PoolIdentity) -> None:
+        self._pool = pool
+        self._identity = identity
+        self._lock = threading.Lock()
+        self.metrics = PoolMetrics(self.snapshot)
+
+    def snapshot(self) -> PoolStats:
+        with self._lock:
+            return self._pool.stats
+
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        started = time.perf_counter()
+        query = _parsed(convert.lookup_query_from_proto, request, context)
+        with self._lock:
+            result = self._pool.lookup(query)
+        self.metrics.observe_lookup(time.perf_counter() - started)
+        return convert.lookup_response(result, self._identity.name, self._identity.cluster)
+
+    def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
+        _parsed(convert.check_put, request, context)
+        blocks = _parsed(convert.blocks_from_proto, request.blocks, context)
+        try:
+            with self._lock:
+                result = self._pool.put(request.model, blocks, request.transfer_id)
+        except PoolFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return pb.PutResponse(num_blocks_stored=result.num_blocks_stored, num_bytes_stored=result.num_bytes_stored)
+
+    def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
+        refs = _parsed(convert.block_refs_from_proto, request, context)
+        try:
+            with self._lock:
+                if request.transfer_id:
+                    blocks = self._pool.take_transfer(request.transfer_id)
+                else:
+                    blocks = self._pool.get(request.model, refs)
+        except BlockMissingError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
+        return pb.GetResponse(blocks=convert.blocks_to_proto(blocks))
+
+    def GetStats(self, request: pb.CachePoolStatsRequest, context) -> pb.CachePoolStats:
+        return convert.stats_to_proto(self.snapshot(), self._identity.name, self._identity.cluster,
+                                      self.metrics.num_lookups, self.metrics.lookup_seconds_total)
+
+
+@dataclass(slots=True)
+class RunningPool:
+    """A started pool server; ``port`` is the bound port (useful with port 0)."""
+
+    server: grpc.Server
+    servicer: CachePoolServicer
+    health: health.HealthServicer
+    port: int
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: int,
+                      max_workers: int = 8) -> RunningPool:
+    """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    servicer = CachePoolServicer(pool, identity)
+    pb_grpc.add_CachePoolServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {host}:{port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningPool(server, servicer, health_servicer, bound)
+
+
+def _parsed(parse, message, context):
+    try:
+        return parse(message)
+    except ValueError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _missing_message(request: pb.GetRequest, missing) -> str:
+    if request.transfer_id:
+        return f"no transfer {request.transfer_id!r} (never put, or already read)"
+    _, group_id, block_hash = missing
+    return (f"block group {group_id} hash {block_hash.hex()[:16]}… of model {request.model!r} is not stored "
+            "(never stored, evicted, or failed its SSD checksum)")

@@ -1,0 +1,89 @@
+"""Domain types of the cache pool; no gRPC here (``server.py`` and ``client.py`` convert)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# (model, group_id, block_hash): ``model`` names the model and KV layout, so blocks of different
+# models never match; the hash of block i fingerprints the prompt's tokens [0, (i+1)·block_size).
+BlockKey = tuple[str, int, bytes]
+
+
+class GroupKind(enum.Enum):
+    FULL_ATTENTION = "full"
+    LINEAR_ATTENTION = "linear"
+
+
+class PoolFullError(Exception):
+    """Transfer blocks do not fit in the memory budget even with every prefix block evicted."""
+
+
+class BlockMissingError(KeyError):
+    """A block asked for is not stored (never stored, evicted, or failed its SSD checksum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheGroup:
+    group_id: int
+    kind: GroupKind
+
+
+@dataclass(frozen=True, slots=True)
+class LookupQuery:
+    model: str
+    block_size: int
+    block_hashes: tuple[bytes, ...]
+    groups: tuple[KvCacheGroup, ...]
+
+    @property
+    def full_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.FULL_ATTENTION)
+
+    @property
+    def linear_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.LINEAR_ATTENTION)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_usable_blocks: int
+    num_full_attention_blocks: int
+    block_size: int
+
+    @property
+    def num_usable_tokens(self) -> int:
+        return self.num_usable_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    group_id: int
+    block_hash: bytes
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    num_blocks_stored: int
+    num_bytes_stored: int
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters and occupancy of one pool; ``memory_bytes`` and ``ssd_bytes`` are exact."""
+
+    memory_budget_bytes: int = 0
+    memory_bytes: int = 0
+    memory_blocks: int = 0
+    ssd_budget_bytes: int = 0
+    ssd_bytes: int = 0
+    ssd_blocks: int = 0
+    transfer_bytes: int = 0
+    num_transfers: int = 0
+    full_attention_hits: int = 0
+    full_attention_misses: int = 0
+    linear_attention_hits: int = 0
+    linear_attention_misses: int = 0
+    memory_evictions: int = 0
+    ssd_evictions: int = 0
+    ssd_read_errors: int = 0

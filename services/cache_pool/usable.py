@@ -1,0 +1,39 @@
+"""The usable-prefix rule: a pure function of a lookup query and a membership test."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.cache_pool.types import BlockKey, LookupQuery, LookupResult
+
+Contains = Callable[[BlockKey], bool]
+
+
+def usable_prefix(query: LookupQuery, contains: Contains) -> LookupResult:
+    """Longest prefix every group can serve.
+
+    Full-attention groups match partially: blocks 0..n-1 must all be stored. Linear-attention
+    groups match exactly: their state must be stored at block n-1 itself, so a prefix that ends
+    between two stored states falls back to the earlier one. A dense model (no linear groups) uses
+    the whole full-attention run.
+    """
+    num_full = _full_attention_run(query, contains)
+    num_usable = _last_linear_state(query, contains, num_full)
+    return LookupResult(num_usable, num_full, query.block_size)
+
+
+def _full_attention_run(query: LookupQuery, contains: Contains) -> int:
+    group_ids = query.full_group_ids
+    for i, block_hash in enumerate(query.block_hashes):
+        if not all(contains((query.model, g, block_hash)) for g in group_ids):
+            return i
+    return len(query.block_hashes)
+
+
+def _last_linear_state(query: LookupQuery, contains: Contains, num_blocks: int) -> int:
+    group_ids = query.linear_group_ids
+    if not group_ids:
+        return num_blocks
+    for n in range(num_blocks, 0, -1):
+        if all(contains((query.model, g, query.block_hashes[n - 1])) for g in group_ids):
+            return n
+    return 0

@@ -1,0 +1,71 @@
+"""Cross-field checks of the `scheduler` section; errors name the key, like the loader's."""
+from __future__ import annotations
+
+from services.config.errors import ConfigError
+
+PATHS = ("local", "pd", "prfaas")
+
+
+def check_scheduler(config) -> None:
+    _check_admission(config)
+    _check_qos_classes(config)
+    _check_adaptive(config)
+
+
+def _check_admission(config) -> None:
+    _at_least(config.max_in_flight_requests, 0, "scheduler.max_in_flight_requests")
+    _at_least(config.retry_after_s, 1, "scheduler.retry_after_s")
+    for path, rate in config.prefill_tokens_per_s.items():
+        key = f"scheduler.prefill_tokens_per_s.{path}"
+        if path not in PATHS:
+            raise ConfigError(f"{key}: unknown path (allowed: {', '.join(PATHS)})")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ConfigError(f"{key}: expected a positive number, got {rate!r}")
+
+
+def _check_qos_classes(config) -> None:
+    names: list[str] = []
+    keys: set[str] = set()
+    for i, qos in enumerate(config.qos_classes):
+        path = f"scheduler.qos_classes[{i}]"
+        if not qos.name:
+            raise ConfigError(f"{path}.name: must not be empty")
+        if qos.name in names:
+            raise ConfigError(f"{path}.name: duplicate QoS class {qos.name!r}")
+        names.append(qos.name)
+        if not 0 <= qos.reserved_fraction <= 1:
+            raise ConfigError(f"{path}.reserved_fraction: {qos.reserved_fraction} is not within [0, 1]")
+        _at_least(qos.ttft_slo_ms, 0, f"{path}.ttft_slo_ms")
+        for key in qos.api_keys:
+            if key in keys:
+                raise ConfigError(f"{path}.api_keys: key already mapped to another class")
+            keys.add(key)
+    if sum(q.reserved_fraction for q in config.qos_classes) > 1:
+        raise ConfigError("scheduler.qos_classes: reserved_fraction values add up to more than 1")
+    allowed = names or ["default"]
+    if config.default_qos_class not in allowed:
+        raise ConfigError(f"scheduler.default_qos_class: {config.default_qos_class!r} is not a configured "
+                          f"class (allowed: {', '.join(allowed)})")
+
+
+def _check_adaptive(config) -> None:
+    if config.link_capacity_gbps <= 0:
+        raise ConfigError(f"scheduler.link_capacity_gbps: expected a positive number, got {config.link_capacity_gbps}")
+    if not 0 < config.threshold_lower_utilization < config.threshold_raise_utilization:
+        raise ConfigError("scheduler.threshold_lower_utilization: must be above 0 and below "
+                          f"threshold_raise_utilization ({config.threshold_raise_utilization})")
+    if config.threshold_step <= 1:
+        raise ConfigError(f"scheduler.threshold_step: must be greater than 1, got {config.threshold_step}")
+    _at_least(config.threshold_hold_s, 0, "scheduler.threshold_hold_s")
+    _at_least(config.congestion_retransmit_ratio, 0, "scheduler.congestion_retransmit_ratio")
+    _at_least(config.congestion_rtt_increase_ms, 0, "scheduler.congestion_rtt_increase_ms")
+    _at_least(config.congestion_queue_depth, 1, "scheduler.congestion_queue_depth")
+    ceiling = config.max_offload_threshold_tokens
+    if ceiling is not None and ceiling < config.offload_threshold_tokens:
+        raise ConfigError(f"scheduler.max_offload_threshold_tokens: {ceiling} is below "
+                          f"offload_threshold_tokens ({config.offload_threshold_tokens})")
+
+
+def _at_least(value, low, key: str) -> None:
+    if value < low:
+        raise ConfigError(f"{key}: must be at least {low}, got {value}")

@@ -1,0 +1,154 @@
+"""`prfaas cache-pool` as a separate process over real gRPC, and the global index over in-process pools."""
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prfaas.v1 import cache_pool_pb2 as pb
+from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
+from support.cache_pool import BLOCK_SIZE, FULL, LINEAR, MODEL, hashes, payload, prompt, query
+from support.ports import free_port
+
+from services.cache_pool.index import GlobalCacheIndex
+from services.cache_pool.pool import CachePool
+from services.cache_pool.server import GRPC_OPTIONS, PoolIdentity, start_pool_server
+from services.cache_pool.types import Block
+
+BUDGET_BYTES = 32 << 20
+BLOCK_BYTES = 64 << 10
+# Python, grpc, protobuf and prometheus_client (~48 MiB RSS, measured at start) are outside the budget;
+# on top of them the process may use this much for gRPC message buffers, per-block bookkeeping and
+# allocator slack (measured: 9-13 MiB with a 32 MiB budget of 64 KiB blocks).
+RSS_OVERHEAD_BYTES = 32 << 20
+HYBRID = [pb.KvCacheGroup(group_id=0, kind=pb.GROUP_KIND_LINEAR_ATTENTION),
+          pb.KvCacheGroup(group_id=1, kind=pb.GROUP_KIND_FULL_ATTENTION)]
+
+
+@pytest.fixture
+def pool_process(tmp_path):
+    port, metrics_port = free_port(), free_port()
+    config = {
+        "workers": [{"name": "decode-0", "port": free_port()}],
+        "cache_pools": [{"name": "pool-local", "cluster": "local", "port": port, "metrics_port": metrics_port,
+                         "memory_budget_gib": BUDGET_BYTES / 2**30, "ssd_dir": str(tmp_path / "ssd"),
+                         "ssd_budget_gib": (8 << 20) / 2**30}],
+    }
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", "cache-pool", "--config", str(path),
+                                "--name", "pool-local"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    try:
+        _wait_serving(channel, process)
+        yield process, pb_grpc.CachePoolStub(channel), metrics_port
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        process.stdout.close()
+
+
+def _wait_serving(channel, process, timeout_s: float = 30.0) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read().decode()
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(service="prfaas.v1.CachePool"), timeout=1).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise TimeoutError("cache pool did not become SERVING")
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def _put(stub, group_id, block_hashes, size=BLOCK_BYTES, **kwargs):
+    blocks = [pb.CacheBlock(group_id=group_id, block_hash=h, data=payload(h, group_id, size)) for h in block_hashes]
+    return stub.Put(pb.PutRequest(model=MODEL, blocks=blocks, **kwargs))
+
+
+def test_service_process_put_lookup_get_stats_and_memory_bound(pool_process):
+    process, stub, metrics_port = pool_process
+    stored = hashes(prompt(8, shared=6, seed=1))
+    assert _put(stub, 1, stored).num_blocks_stored == 8
+    _put(stub, 0, [stored[3], stored[7]])
+    answer = stub.Lookup(pb.LookupRequest(model=MODEL, block_size=BLOCK_SIZE, groups=HYBRID,
+                                          block_hashes=hashes(prompt(10, shared=6, seed=2))))
+    assert (answer.pool, answer.cluster, answer.num_usable_blocks, answer.num_usable_tokens,
+            answer.num_full_attention_blocks) == ("pool-local", "local", 4, 4 * BLOCK_SIZE, 6)
+    got = stub.Get(pb.GetRequest(model=MODEL, blocks=[pb.CacheBlockRef(group_id=1, block_hash=h) for h in stored[:4]]))
+    assert [b.data for b in got.blocks] == [payload(h, 1, BLOCK_BYTES) for h in stored[:4]]
+
+    _put(stub, 1, stored[:2], transfer_id="req-7")
+    assert len(stub.Get(pb.GetRequest(model=MODEL, transfer_id="req-7")).blocks) == 2
+    _expect_error(grpc.StatusCode.NOT_FOUND, stub.Get, pb.GetRequest(model=MODEL, transfer_id="req-7"))
+    _expect_error(grpc.StatusCode.NOT_FOUND, stub.Get, pb.GetRequest(
+        model=MODEL, blocks=[pb.CacheBlockRef(group_id=1, block_hash=b"unknown")]))
+    _expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Lookup, pb.LookupRequest(model=MODEL, block_size=BLOCK_SIZE))
+    _expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Put, pb.PutRequest(model="", blocks=[]))
+
+    baseline = _rss_bytes(process.pid)
+    for seed in range(2, 2 + 16):   # 16 × 16 MiB of distinct prompts: 8× the memory budget
+        for chunk in range(16):
+            _put(stub, 1, hashes(prompt(16, seed=seed * 100 + chunk)))
+    stats = stub.GetStats(pb.CachePoolStatsRequest())
+    assert stats.memory_bytes <= BUDGET_BYTES and stats.memory_bytes == stats.memory_blocks * BLOCK_BYTES
+    assert stats.memory_evictions > 0 and stats.ssd_bytes <= stats.ssd_budget_bytes and stats.ssd_evictions > 0
+    assert (stats.num_lookups, stats.full_attention_hits, stats.linear_attention_hits) == (1, 4, 1)
+    rss = _rss_bytes(process.pid)
+    assert rss <= baseline + BUDGET_BYTES + RSS_OVERHEAD_BYTES, f"RSS {baseline >> 20} -> {rss >> 20} MiB"
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+    for line in ('prfaas_cache_pool_hits_total{group="linear"} 1.0', 'prfaas_cache_pool_evictions_total{tier="memory"}',
+                 "prfaas_cache_pool_lookup_latency_seconds_count 1.0", 'prfaas_cache_pool_stored_bytes{tier="ssd"}'):
+        assert line in metrics
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(15) == 0
+
+
+def _expect_error(code, call, request):
+    with pytest.raises(grpc.RpcError) as error:
+        call(request)
+    assert error.value.code() == code, error.value.details()
+
+
+def test_global_index_answers_per_cluster_and_neutral_for_a_dead_pool():
+    pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
+    servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0) for c, p in pools.items()}
+    prompt_hashes = hashes(prompt(6))
+    for cluster, num_blocks in (("prfaas", 5), ("local", 2)):
+        stored = prompt_hashes[:num_blocks]
+        pools[cluster].put(MODEL, [_block(FULL.group_id, h) for h in stored] + [_block(LINEAR.group_id, stored[-1])])
+    addresses = {c: f"127.0.0.1:{s.port}" for c, s in servers.items()} | {"dead": f"127.0.0.1:{free_port()}"}
+
+    async def lookup():
+        index = GlobalCacheIndex(addresses, timeout_s=2.0)
+        try:
+            return await index.lookup(query(prompt_hashes))
+        finally:
+            await index.close()
+
+    try:
+        answers = asyncio.run(lookup())
+    finally:
+        for server in servers.values():
+            server.stop(0)
+    assert {c: a.num_usable_tokens for c, a in answers.items()} == {
+        "prfaas": 5 * BLOCK_SIZE, "local": 2 * BLOCK_SIZE, "dead": 0}
+
+
+def _block(group_id, block_hash):
+    return Block(group_id, block_hash, payload(block_hash, group_id))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP endpoint (aiohttp on uvloop)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -10,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.engine.types import GenerateInput
+from services.router.admission import QOS_HEADER, AdmissionControl
 from services.router.dispatch import Dispatcher, WorkerFailed
 from services.router.errors import ApiError, bad_request, invalid_api_key
 from services.router.metrics import RouterMetrics
@@ -17,6 +19,7 @@ from services.router.openai_api import ApiRequest, parse_request, with_max_token
 from services.router.responses import ResponseShape, Usage
 from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
+from services.scheduling.admission import QosClass
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ PUBLIC_PATHS = ("/health", "/metrics")
 class RouterApp:
     def __init__(self, *, model_name: str, max_model_len: int, api_keys: frozenset[str],
                  tokenizer: PromptTokenizer, pool: WorkerPool, dispatcher: Dispatcher,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, admission: AdmissionControl | None = None) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_keys = api_keys
@@ -34,6 +37,7 @@ class RouterApp:
         self.pool = pool
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.admission = admission
         self.created = int(time.time())
 
     def build(self) -> web.Application:
@@ -68,8 +72,7 @@ class RouterApp:
             return _error_response(ApiError(500, "Internal server error", type="server_error"))
 
     def _authenticate(self, request: web.Request) -> None:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token.strip() not in self.api_keys:
+        if _bearer_token(request) not in self.api_keys:
             raise invalid_api_key()
 
     async def models(self, request: web.Request) -> web.Response:
@@ -96,14 +99,22 @@ class RouterApp:
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
         api_request = parse_request(await _json_body(request), kind, self.model_name)
+        qos = self.admission.qos_class(request.headers.get(QOS_HEADER), _bearer_token(request)) \
+            if self.admission else None
         generate_input = await self._generate_input(api_request, request)
         shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
-        try:
-            if api_request.stream:
-                return await self._stream(request, api_request, generate_input, shape, started)
-            return await self._complete(generate_input, shape, started)
-        finally:
-            self.metrics.e2e.observe(time.monotonic() - started)
+        with self._admitted(generate_input, qos):
+            try:
+                if api_request.stream:
+                    return await self._stream(request, api_request, generate_input, shape, started)
+                return await self._complete(generate_input, shape, started)
+            finally:
+                self.metrics.e2e.observe(time.monotonic() - started)
+
+    def _admitted(self, generate_input: GenerateInput, qos: QosClass | None):
+        if self.admission is None or qos is None:
+            return contextlib.nullcontext()
+        return self.admission.admitted(generate_input.request_id, qos, len(generate_input.prompt_token_ids))
 
     async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:
         prompt_ids = await self.tokenizer.encode(api_request)
@@ -186,6 +197,11 @@ class _Timed:
             await self._deltas.aclose()
 
 
+def _bearer_token(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 async def _json_body(request: web.Request):
     try:
         return json.loads(await request.read())
@@ -198,4 +214,4 @@ async def _send(response: web.StreamResponse, body: dict) -> None:
 
 
 def _error_response(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)

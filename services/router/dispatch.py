@@ -17,6 +17,7 @@ from prfaas.v1 import worker_pb2 as pb
 from services.config import RouterConfig
 from services.engine import convert
 from services.engine.types import GenerateInput, KvTransfer, TokenDelta
+from services.router.admission import PrefillQueues
 from services.router.errors import ApiError, bad_request, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.policy import Route
@@ -38,10 +39,11 @@ class _PrefillFailed(Exception):
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics,
-                 threshold_tokens: int) -> None:
+                 threshold_tokens: float, queues: PrefillQueues | None = None) -> None:
         self._pool = pool
         self._config = config
         self._metrics = metrics
+        self._queues = queues
         self.threshold_tokens = threshold_tokens
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
@@ -50,24 +52,39 @@ class Dispatcher:
         Closing the iterator cancels the gRPC calls, which aborts the request on the workers.
         """
         tried: set[str] = set()
+        num_tokens = len(request.prompt_token_ids)
         for _ in range(self._config.max_attempts):
-            route = self._pool.route(len(request.prompt_token_ids), self.threshold_tokens, frozenset(tried))
+            route = self._pool.route(num_tokens, self.threshold_tokens, frozenset(tried))
             if route is None:
                 break
+            logger.debug("request %s: route %s decode=%s prefill=%s incremental_prompt_tokens=%d threshold=%s",
+                         request.request_id, route.path, route.decode, route.prefill, num_tokens, self.threshold_tokens)
             tried.add(route.decode)
             decode = self._pool.handle(route.decode)
             decode.num_in_flight += 1
+            queued = self._enqueue(route.path, num_tokens)
             try:
                 call, first = await self._start(request, route, decode)
                 if first is None:
                     continue
+                if queued:
+                    queued = False
+                    self._queues.dequeue(route.path, num_tokens, prefilled=True)
                 yield convert.delta_from_proto(first)
                 async for message in _rest(call, decode):
                     yield convert.delta_from_proto(message)
                 return
             finally:
                 decode.num_in_flight -= 1
+                if queued:
+                    self._queues.dequeue(route.path, num_tokens, prefilled=False)
         raise unavailable("No worker is available to serve this request; try again later")
+
+    def _enqueue(self, path: str, num_tokens: int) -> bool:
+        if self._queues is None:
+            return False
+        self._queues.enqueue(path, num_tokens)
+        return True
 
     async def _start(self, request: GenerateInput, route: Route, decode: WorkerHandle):
         """Returns (call, first message), or (None, None) when the decode worker is unreachable."""
@@ -97,8 +114,6 @@ class Dispatcher:
             timeout=self._config.request_timeout_s)
         prefill_task = asyncio.ensure_future(prefill_call)
         prefill_task.add_done_callback(lambda task: _log_prefill_outcome(task, request.request_id, prefill.name))
-        logger.debug("request %s: %s path, prefill %s -> decode %s", request.request_id, route.path,
-                     prefill.name, decode.name)
         try:
             first = await self._first(call, decode, request.request_id, prefill_task, prefill)
         except BaseException:

@@ -4,13 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class ApiError(Exception):
+    """Not frozen: Python sets ``__traceback__`` on exceptions it re-raises (``contextlib`` does)."""
+
     status: int
     message: str
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after_s: int | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -29,8 +36,13 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, type="service_unavailable", code="no_worker_available")
+def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
+    return ApiError(503, message, type="service_unavailable", code="no_worker_available",
+                    retry_after_s=retry_after_s)
+
+
+def overloaded(message: str, code: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, message, type="rate_limit_error", code=code, retry_after_s=retry_after_s)
 
 
 def invalid_api_key() -> ApiError:

@@ -38,6 +38,29 @@ class RouterMetrics:
                                          "Remote prefills that failed and were redone locally.", registry=r)
         self.worker_retries = Counter("prfaas_router_worker_retries_total",
                                       "Requests moved to another worker before their first token.", registry=r)
+        self.admitted = Counter("prfaas_router_admitted_requests_total", "Requests admitted, by QoS class.",
+                                ["qos_class"], registry=r)
+        self.rejected = Counter("prfaas_router_rejected_requests_total",
+                                "Requests rejected by admission control, by reason (no_worker: 503; capacity, "
+                                "ttft_slo: 429) and QoS class.", ["reason", "qos_class"], registry=r)
+        self.in_flight = Gauge("prfaas_router_in_flight_requests", "Admitted requests not finished yet.",
+                               ["qos_class"], registry=r)
+        self.prefill_rate = Gauge("prfaas_router_prefill_rate_tokens_per_second",
+                                  "Prefill rate per path used to predict TTFT (measured, or configured).",
+                                  ["path"], registry=r)
+        self.threshold = Gauge("prfaas_scheduler_threshold_tokens",
+                               "Offload threshold: prompts with more uncached tokens prefill on the PrfaaS "
+                               "cluster (+Inf while offloading is stopped).", registry=r)
+        self.controller_state = Gauge("prfaas_scheduler_controller_state",
+                                      "1 for the threshold controller's current state (base, raised, stopped).",
+                                      ["state"], registry=r)
+        self.link_utilization = Gauge("prfaas_scheduler_link_utilization_ratio",
+                                      "PrfaaS egress rate over scheduler.link_capacity_gbps.", registry=r)
+        self.link_congested = Gauge("prfaas_scheduler_link_congested",
+                                    "1 when the PrfaaS link shows congestion (retransmits, RTT rise, queue).",
+                                    registry=r)
+        self.threshold_changes = Counter("prfaas_scheduler_threshold_changes_total",
+                                         "Threshold controller state or level changes.", registry=r)
         self.kv_link_goodput = Gauge("prfaas_kv_link_goodput_bits_per_second",
                                      "Goodput of the last KV transfer from a worker to a peer.",
                                      ["worker", "peer"], registry=r)

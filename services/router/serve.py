@@ -10,9 +10,11 @@ from aiohttp import web
 
 from services.config import DeploymentConfig
 from services.engine.args import resolve_model_path
+from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.app import RouterApp
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.threshold_control import ThresholdControl
 from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
 
@@ -30,14 +32,21 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     metrics = RouterMetrics()
     tokenizer = await asyncio.to_thread(PromptTokenizer, resolve_model_path(config.model))
     pool = WorkerPool(config.workers, config.router, metrics)
+    queues = PrefillQueues(config.scheduler.prefill_tokens_per_s, metrics)
+    dispatcher = Dispatcher(pool, config.router, metrics, config.scheduler.offload_threshold_tokens, queues)
+    _start_threshold_control(config, pool, dispatcher, metrics)
+    admission = None
+    if config.scheduler.admission_control:
+        admission = AdmissionControl(config, pool, queues, lambda: dispatcher.threshold_tokens, metrics)
     router = RouterApp(
         model_name=config.model.name,
         max_model_len=config.model.max_model_len,
         api_keys=api_keys(config),
         tokenizer=tokenizer,
         pool=pool,
-        dispatcher=Dispatcher(pool, config.router, metrics, config.scheduler.offload_threshold_tokens),
+        dispatcher=dispatcher,
         metrics=metrics,
+        admission=admission,
     )
     runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
@@ -52,6 +61,14 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     finally:
         await runner.cleanup()
         await pool.close()
+
+
+def _start_threshold_control(config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher,
+                             metrics: RouterMetrics) -> None:
+    metrics.threshold.set(dispatcher.threshold_tokens)
+    has_prfaas = any(w.service == "prefill_worker" and w.cluster == "prfaas" for w in config.workers)
+    if config.scheduler.adaptive_threshold and has_prfaas:
+        pool.on_poll.append(ThresholdControl(config, pool, dispatcher, metrics).on_poll)
 
 
 async def _wait_for_signal() -> None:

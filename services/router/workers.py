@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -60,6 +61,7 @@ class WorkerPool:
         self._metrics = metrics
         self._handles = {w.name: _connect(w) for w in workers}
         self._poller: asyncio.Task | None = None
+        self.on_poll: list[Callable[[], None]] = []
 
     async def start(self) -> None:
         await self.poll_once()
@@ -94,7 +96,10 @@ class WorkerPool:
         return pick_least_loaded(tuple(h.view() for h in self._handles.values())) is not None
 
     async def poll_once(self) -> None:
+        """Refresh every worker's health and stats, then run the ``on_poll`` callbacks."""
         await asyncio.gather(*(self._poll(h) for h in self._handles.values()))
+        for callback in self.on_poll:
+            callback()
 
     async def _poll_forever(self) -> None:
         while True:

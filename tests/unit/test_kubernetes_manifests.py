@@ -1,0 +1,198 @@
+"""deploy/kubernetes: every overlay renders, validates offline against the Kubernetes schemas, and
+its ConfigMap is a config the services accept whose workers are exactly the rendered pods."""
+import inspect
+from pathlib import PurePosixPath
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.config import DeploymentConfig, parse_config
+from services.engine.serve import serve_worker
+from services.kv_transport.settings import TransportSettings
+from services.router.serve import SHUTDOWN_GRACE_S
+from support.kustomize import CLUSTER_ROLES, Rendered, deployments, render
+
+OLDEST_KUBERNETES = "1.29.0"
+VERSIONS = (OLDEST_KUBERNETES, kubernetes_validate.latest_version())
+CRD_SCHEMAS = {
+    # Only the fields these manifests use; checked structurally (the CRD is not in the package).
+    "ServiceMonitor": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "spec": {
+                "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+                "properties": {
+                    "selector": {"type": "object", "required": ["matchLabels"]},
+                    "endpoints": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["port"],
+                        "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                                       "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"}}}},
+                },
+            },
+        },
+    },
+}
+SUBCOMMANDS = {"prefill_worker": "prefill-worker", "decode_worker": "decode-worker"}
+CLUSTER_ROLE_OF = {"prfaas": "prfaas-cluster", "local": "local-cluster"}
+ROLES = [(d, r) for d in deployments() for r in CLUSTER_ROLES]
+
+
+def config_of(rendered: Rendered) -> DeploymentConfig:
+    (config_map,) = rendered.of_kind("ConfigMap")
+    return parse_config(yaml.safe_load(config_map["data"]["config.yaml"]))
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def container_ports(workload: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container(workload)["ports"]}
+
+
+def service_ports(rendered: Rendered, name: str) -> dict[str, int]:
+    return {p["name"]: p["port"] for p in rendered.one("Service", name)["spec"]["ports"]}
+
+
+def pods(deployment: str) -> dict[str, tuple[Rendered, dict]]:
+    """Pod name -> (its cluster role's render, its StatefulSet), over both cluster roles."""
+    found = {}
+    for role in CLUSTER_ROLES:
+        rendered = render(deployment, role)
+        for sts in rendered.of_kind("StatefulSet"):
+            for i in range(sts["spec"]["replicas"]):
+                found[f"{sts['metadata']['name']}-{i}"] = (rendered, sts)
+    return found
+
+
+def env_of(workload: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container(workload).get("env", [])}
+
+
+def test_there_are_overlays_to_check():
+    assert {"small", "case-study"} <= set(deployments())
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("deployment, role", ROLES)
+def test_manifests_validate_against_kubernetes_schemas(deployment, role, version):
+    for manifest in render(deployment, role).manifests:
+        if manifest["kind"] in CRD_SCHEMAS:
+            jsonschema.validate(manifest, CRD_SCHEMAS[manifest["kind"]])
+        else:
+            kubernetes_validate.validate(manifest, version, strict=True)
+
+
+def test_strict_validation_refuses_an_unknown_field():
+    service = dict(render("small", "local-cluster").one("Service", "router"))
+    service["spec"] = {**service["spec"], "portz": []}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, OLDEST_KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_service_monitor_selects_the_router_http_port(deployment):
+    rendered = render(deployment, "local-cluster")
+    (monitor,) = rendered.of_kind("ServiceMonitor")
+    router = rendered.one("Service", "router")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= router["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= set(service_ports(rendered, "router"))
+    annotations = rendered.one("Deployment", "router")["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == container_ports(rendered.one("Deployment", "router"))["http"]
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_both_clusters_get_the_same_config_and_it_loads(deployment):
+    config_maps = [render(deployment, role).of_kind("ConfigMap") for role in CLUSTER_ROLES]
+    assert config_maps[0] == config_maps[1]
+    for role in CLUSTER_ROLES:
+        rendered = render(deployment, role)
+        config_of(rendered)
+        for workload in rendered.of_kind("StatefulSet") + rendered.of_kind("Deployment"):
+            command = container(workload)["command"]
+            volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+            mounts = {m["name"]: m["mountPath"] for m in container(workload)["volumeMounts"]}
+            config_path = PurePosixPath(command[command.index("--config") + 1])
+            assert volumes["config"]["configMap"]["name"] == config_maps[0][0]["metadata"]["name"]
+            assert config_path == PurePosixPath(mounts["config"]) / "config.yaml"
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_every_worker_is_a_pod_and_every_pod_a_worker(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment)
+    assert sorted(w.name for w in config.workers) == sorted(found)
+    for worker in config.workers:
+        rendered, sts = found[worker.name]
+        namespace, service = sts["metadata"]["namespace"], sts["spec"]["serviceName"]
+        assert worker.host == f"{worker.name}.{service}.{namespace}.svc.cluster.local"
+        assert rendered.role == CLUSTER_ROLE_OF[worker.cluster]
+        command = container(sts)["command"]
+        assert command[1] == SUBCOMMANDS[worker.service]
+        assert command[command.index("--name") + 1] == "$(POD_NAME)"
+        assert env_of(sts)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert command[command.index("--host") + 1] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_worker_ports_match_containers_services_and_probes(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment)
+    for worker in config.workers:
+        rendered, sts = found[worker.name]
+        ports = container_ports(sts)
+        assert ports["grpc"] == worker.port == service_ports(rendered, sts["spec"]["serviceName"])["grpc"]
+        assert ports.get("kv") == worker.kv_port
+        if worker.kv_port is not None:
+            assert service_ports(rendered, sts["spec"]["serviceName"])["kv"] == worker.kv_port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container(sts)[probe]["grpc"]["port"] == worker.port
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_gpus_per_pod_match_tensor_parallelism(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment)
+    for worker in config.workers:
+        resources = container(found[worker.name][1])["resources"]
+        gpus = config.engine_for(worker).tensor_parallel_size
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == gpus
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_router_port_api_keys_and_probes(deployment):
+    rendered = render(deployment, "local-cluster")
+    config, router = config_of(rendered), rendered.one("Deployment", "router")
+    assert container_ports(router)["http"] == config.router.port == service_ports(rendered, "router")["http"]
+    assert env_of(router)[config.router.api_keys_env]["valueFrom"]["secretKeyRef"]["name"] == "prfaas-secrets"
+    assert container(router)["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    (hpa,) = rendered.of_kind("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "router"
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_workers_get_the_kv_secret_and_tls_files_from_secrets(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    transport = TransportSettings.of(config.transport)
+    for rendered, sts in pods(deployment).values():
+        secret_ref = env_of(sts)[transport.secret_env]["valueFrom"]["secretKeyRef"]
+        assert secret_ref == {"name": "prfaas-secrets", "key": "kv-secret"}
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        secret_dirs = {PurePosixPath(m["mountPath"]) for m in container(sts)["volumeMounts"]
+                       if "secret" in volumes[m["name"]]}
+        for path in filter(None, (transport.tls_cert, transport.tls_key, transport.tls_ca)):
+            assert PurePosixPath(path).parent in secret_dirs, path
+
+
+@pytest.mark.parametrize("deployment, role", ROLES)
+def test_termination_grace_covers_the_drain(deployment, role):
+    worker_drain_s = inspect.signature(serve_worker).parameters["grace_s"].default
+    rendered = render(deployment, role)
+    for workload in rendered.of_kind("StatefulSet") + rendered.of_kind("Deployment"):
+        drain_s = SHUTDOWN_GRACE_S if workload["kind"] == "Deployment" else worker_drain_s
+        assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s

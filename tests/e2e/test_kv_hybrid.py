@@ -1,15 +1,18 @@
 """The KV data plane with a hybrid model: the tiny Qwen3-Next (3 Gated-DeltaNet + 1 full-attention
-layer). The prefill worker streams the attention layer's blocks while it computes and the three
+layer). A producer streams the attention layer's blocks while it computes and the three
 linear-attention state pages when the prefill ends; the decode worker must then generate exactly
-what one colocated engine generates. Prefix caching is off (with it, vLLM keeps one state page per
-block-aligned position, a mode the cache-pool issue covers) and chunks are aligned as in
-test_kv_data_plane.py, against a reference engine built as in support/baseline.py.
+what one colocated engine generates. Prompts longer than the threshold take the PrfaaS path
+(prefill-0), shorter ones the PD path (pd-p, a local prefill-role worker). Prefix caching is off
+(with it, vLLM keeps one state page per block-aligned position, a mode the cache-pool issue covers)
+and chunks are aligned as in test_kv_data_plane.py, against a reference engine built as in
+support/baseline.py.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import re
+import urllib.request
 
 import openai
 import pytest
@@ -23,8 +26,9 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny-qwen3-next"
 BUDGET = 256
 OUTPUT_TOKENS = 32
+THRESHOLD = 300
 LENGTHS = (129, 257, 513, 769)     # N-1 = 128 (shorter than the budget), then 1, 2 and 3 budgets
-IN_FLIGHT = (257, 513) * 4
+IN_FLIGHT = (257, 513) * 4         # 8 at once, on both paths
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -38,10 +42,12 @@ def cluster(tmp_path_factory):
     config = deployment_config(
         [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
-         {"name": "decode-0", "service": "decode_worker", "role": "both", "kv_port": free_port(),
+         {"name": "pd-p", "service": "decode_worker", "role": "prefill", "engine": engine,
+          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
+         {"name": "pd-d", "service": "decode_worker", "role": "decode", "kv_port": free_port(),
           "engine": {**engine, "max_num_seqs": 1}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
         model_path=f"builtin:{MODEL}", model_name=MODEL,
-        scheduler={"offload_threshold_tokens": 0}, transport={"secret": "e2e-hybrid"},
+        scheduler={"offload_threshold_tokens": THRESHOLD}, transport={"secret": "e2e-hybrid"},
     )
     deployment = Deployment(config, tmp_path_factory.mktemp("hybrid")).start()
     yield deployment
@@ -69,11 +75,19 @@ def _completions(deployment, prompts):
     return [r.choices[0].text for r in asyncio.run(run())]
 
 
-def test_hybrid_state_and_kv_stream_token_exact(cluster, expected):
+def _routed(deployment) -> dict[str, float]:
+    with urllib.request.urlopen(deployment.base_url + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {path: float(value) for path, value in re.findall(r'prfaas_router_routed_requests_total\{path="(\w+)"\} (\S+)', text)}
+
+
+def test_hybrid_state_and_kv_stream_token_exact_on_both_paths(cluster, expected):
     for prompt, text in expected[:len(LENGTHS)]:
-        assert _completions(cluster, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs"
-    streamed = cluster.worker_stats("decode-0").kv_bytes_received
-    assert streamed > 0
+        path = "prfaas" if len(prompt) > THRESHOLD else "pd"
+        assert _completions(cluster, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs on the {path} path"
+    routed = _routed(cluster)
+    assert routed.get("prfaas") == routed.get("pd") == 2 and not routed.get("local")
+    assert cluster.worker_stats("pd-d").kv_bytes_received > 0
 
 
 def test_hybrid_eight_in_flight(cluster, expected):

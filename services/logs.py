@@ -1,10 +1,23 @@
-"""Logging set-up shared by every service: plain text or one JSON object per line."""
+"""Logging set-up shared by every service: plain text or one JSON object per line.
+
+A request keeps one id from the router to the workers (the router's id travels in every gRPC
+call); ``bind_request_id`` tags the current task's log lines with it, so JSON lines of the router,
+the prefill worker and the decode worker can be joined on ``request_id``.
+"""
 from __future__ import annotations
 
 import json
 import logging
 import sys
 import time
+from contextvars import ContextVar
+
+_REQUEST_ID: ContextVar[str | None] = ContextVar("prfaas_request_id", default=None)
+
+
+def bind_request_id(request_id: str) -> None:
+    """Tag the log lines of the current task (one HTTP request, one gRPC call) with ``request_id``."""
+    _REQUEST_ID.set(request_id or None)
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s [%(service)s] %(name)s: %(message)s"
 
@@ -29,7 +42,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        request_id = getattr(record, "request_id", None)
+        request_id = getattr(record, "request_id", None) or _REQUEST_ID.get()
         if request_id:
             entry["request_id"] = request_id
         if record.exc_info:

@@ -10,6 +10,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import WorkerIdentity
+from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Streams the request's output; a cancelled call aborts it in the engine."""
+        bind_request_id(request.request_id)
         generate_input = convert.generate_input_from_proto(request)
         if not generate_input.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")

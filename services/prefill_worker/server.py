@@ -12,6 +12,7 @@ from services.decode_worker.server import stats_message
 from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import WorkerIdentity
+from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         """Computes the prompt's KV (one output token). Returns when the prefill is done."""
+        bind_request_id(request.request_id)
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         started = time.perf_counter()

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.engine.types import GenerateInput
+from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
 from services.router.dispatch import Dispatcher, WorkerFailed
 from services.router.errors import ApiError, bad_request, invalid_api_key
@@ -102,6 +103,7 @@ class RouterApp:
         qos = self.admission.qos_class(request.headers.get(QOS_HEADER), _bearer_token(request)) \
             if self.admission else None
         generate_input = await self._generate_input(api_request, request)
+        bind_request_id(generate_input.request_id)
         shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
         with self._admitted(generate_input, qos):
             try:

@@ -1,13 +1,17 @@
-"""`prfaas bench serve` against the real embedded deployment (router, prefill worker, decode worker, vLLM)."""
+"""`prfaas bench serve` against the real embedded deployment (router, prefill worker, decode worker,
+vLLM), which logs JSON lines here: one request id must follow a request through every service."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import uuid
 
+import openai
 import pytest
 
-from support.deployment import Deployment, deployment_config
+from support.deployment import Deployment, deployment_config, wait_until
+from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +23,9 @@ OUTPUT_LEN = 16
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     config = deployment_config([{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"},
-                                {"name": "decode-0", "service": "decode_worker", "role": "both"}])
+                                {"name": "decode-0", "service": "decode_worker", "role": "both",
+                                 "kv_port": free_port()}],
+                               logging={"level": "debug", "json": True})
     deployment = Deployment(config, tmp_path_factory.mktemp("bench")).start()
     yield deployment
     deployment.stop()
@@ -63,3 +69,22 @@ def test_long_prompts_are_routed_and_accounted(deployment, tmp_path):
     router = result["router_metrics"]
     assert sum(router["routed_requests"].values()) == NUM_PROMPTS
     assert 0.0 <= router["offloaded_fraction"] <= 1.0
+
+
+def _tagged(deployment, service: str, request_id: str) -> bool:
+    """Whether ``service`` wrote a JSON log line tagged with ``request_id``."""
+    for line in (deployment.directory / f"{service}.log").read_text().splitlines():
+        if line.startswith("{") and json.loads(line).get("request_id") == request_id:
+            return True
+    return False
+
+
+def test_one_request_id_follows_a_request_through_every_service(deployment):
+    request_id = f"trace-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    prompt = [1000 + i % 5000 for i in range(1500)]  # over the offload threshold: prefilled on prefill-0
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True},
+                                      extra_headers={"X-Request-Id": request_id})
+    assert reply.id == request_id
+    for service in ("router", "prefill-0", "decode-0"):
+        assert wait_until(lambda: _tagged(deployment, service, request_id), 10), f"{service} has no line for it"

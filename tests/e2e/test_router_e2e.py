@@ -138,7 +138,7 @@ for ids in {prompts!r}:
 print("RESULT" + json.dumps(results))
 """
     out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    return json.loads(out.split("RESULT", 1)[1])
+    return json.loads(out.split("RESULT", 1)[1].splitlines()[0])
 
 
 def test_eight_concurrent_streams_complete(deployment):

@@ -36,4 +36,4 @@ for budget in sorted(set(budgets)):
 print("RESULT" + json.dumps(texts))
 """
     out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
-    return json.loads(out.split("RESULT", 1)[1])
+    return json.loads(out.split("RESULT", 1)[1].splitlines()[0])

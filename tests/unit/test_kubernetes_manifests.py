@@ -1,5 +1,6 @@
 """deploy/kubernetes: every overlay renders, validates offline against the Kubernetes schemas, and
-its ConfigMap is a config the services accept whose workers are exactly the rendered pods."""
+its ConfigMap is a config the services accept whose workers and cache pools are exactly the rendered
+pods."""
 import inspect
 from pathlib import PurePosixPath
 
@@ -8,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.cache_pool.cli import serve_cache_pool
 from services.config import DeploymentConfig, parse_config
 from services.engine.serve import serve_worker
 from services.kv_transport.settings import TransportSettings
@@ -38,6 +40,10 @@ CRD_SCHEMAS = {
 }
 SUBCOMMANDS = {"prefill_worker": "prefill-worker", "decode_worker": "decode-worker"}
 CLUSTER_ROLE_OF = {"prfaas": "prfaas-cluster", "local": "local-cluster"}
+POOL_COMPONENT = "cache-pool"
+# The pool process' own memory on top of memory_budget_gib (Python, gRPC buffers of in-flight calls).
+MIN_POOL_OVERHEAD_BYTES = 2**30
+QUANTITY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 ROLES = [(d, r) for d in deployments() for r in CLUSTER_ROLES]
 
 
@@ -59,15 +65,35 @@ def service_ports(rendered: Rendered, name: str) -> dict[str, int]:
     return {p["name"]: p["port"] for p in rendered.one("Service", name)["spec"]["ports"]}
 
 
-def pods(deployment: str) -> dict[str, tuple[Rendered, dict]]:
-    """Pod name -> (its cluster role's render, its StatefulSet), over both cluster roles."""
+def is_pool(workload: dict) -> bool:
+    return workload["metadata"]["labels"]["app.kubernetes.io/component"] == POOL_COMPONENT
+
+
+def pods(deployment: str, pools: bool = False) -> dict[str, tuple[Rendered, dict]]:
+    """Pod name -> (its cluster role's render, its StatefulSet), over both cluster roles: the workers'
+    pods, or with ``pools`` the cache pools' pods."""
     found = {}
     for role in CLUSTER_ROLES:
         rendered = render(deployment, role)
         for sts in rendered.of_kind("StatefulSet"):
+            if is_pool(sts) != pools:
+                continue
             for i in range(sts["spec"]["replicas"]):
                 found[f"{sts['metadata']['name']}-{i}"] = (rendered, sts)
     return found
+
+
+def quantity_bytes(quantity: str) -> int:
+    for suffix, factor in QUANTITY_SUFFIXES.items():
+        if quantity.endswith(suffix):
+            return int(float(quantity[:-len(suffix)]) * factor)
+    return int(quantity)
+
+
+def test_quantities_parse():
+    assert quantity_bytes("3Gi") == 3 * 2**30
+    assert quantity_bytes("2Ti") == 2 * 2**40
+    assert quantity_bytes("1500M") == 1_500_000_000
 
 
 def env_of(workload: dict) -> dict[str, dict]:
@@ -98,7 +124,7 @@ def test_strict_validation_refuses_an_unknown_field():
 @pytest.mark.parametrize("deployment", deployments())
 def test_service_monitor_selects_the_router_http_port(deployment):
     rendered = render(deployment, "local-cluster")
-    (monitor,) = rendered.of_kind("ServiceMonitor")
+    monitor = rendered.one("ServiceMonitor", "router")
     router = rendered.one("Service", "router")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= router["metadata"]["labels"].items()
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= set(service_ports(rendered, "router"))
@@ -137,6 +163,84 @@ def test_every_worker_is_a_pod_and_every_pod_a_worker(deployment):
         assert command[command.index("--name") + 1] == "$(POD_NAME)"
         assert env_of(sts)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         assert command[command.index("--host") + 1] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_every_cache_pool_is_a_pod_and_every_pool_pod_a_cache_pool(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment, pools=True)
+    assert sorted(p.name for p in config.cache_pools) == sorted(found)
+    assert {p.cluster for p in config.cache_pools} == set(CLUSTER_ROLE_OF)   # one pool per cluster role
+    for pool in config.cache_pools:
+        rendered, sts = found[pool.name]
+        namespace, service = sts["metadata"]["namespace"], sts["spec"]["serviceName"]
+        assert sts["spec"]["replicas"] == 1
+        assert rendered.one("Service", service)["spec"]["clusterIP"] == "None"
+        assert pool.host == f"{pool.name}.{service}.{namespace}.svc.cluster.local"
+        assert rendered.role == CLUSTER_ROLE_OF[pool.cluster]
+        command = container(sts)["command"]
+        assert command[:2] == ["prfaas", "cache-pool"]
+        assert command[command.index("--name") + 1] == "$(POD_NAME)"
+        assert env_of(sts)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert command[command.index("--host") + 1] == "0.0.0.0"
+        assert "nvidia.com/gpu" not in container(sts)["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_cache_pool_ports_match_containers_services_probes_and_scraping(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment, pools=True)
+    all_services = [s for role in CLUSTER_ROLES for s in render(deployment, role).of_kind("Service")]
+    for pool in config.cache_pools:
+        rendered, sts = found[pool.name]
+        service = rendered.one("Service", sts["spec"]["serviceName"])
+        ports = container_ports(sts)
+        assert ports["grpc"] == pool.port == service_ports(rendered, service["metadata"]["name"])["grpc"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container(sts)[probe]["grpc"]["port"] == pool.port
+        assert pool.metrics_port is not None, "the pool's metrics are scraped"
+        assert ports["metrics"] == pool.metrics_port == service_ports(rendered, service["metadata"]["name"])["metrics"]
+        annotations = sts["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == pool.metrics_port
+        # The Service selects this pool's pod only, and this role's ServiceMonitor this Service only:
+        # both roles' pools may share a namespace (the `small` overlay).
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        for other_sts in (s for _, s in found.values() if s is not sts):
+            assert not service["spec"]["selector"].items() <= other_sts["spec"]["template"]["metadata"]["labels"].items()
+        (monitor,) = [m for m in rendered.of_kind("ServiceMonitor")
+                      if m["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()]
+        selected = [s for s in all_services
+                    if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert selected == [service]
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics"}
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_cache_pool_memory_and_ssd_fit_the_budgets(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    found = pods(deployment, pools=True)
+    for pool in config.cache_pools:
+        _, sts = found[pool.name]
+        resources = container(sts)["resources"]
+        memory = quantity_bytes(resources["limits"]["memory"])
+        assert quantity_bytes(resources["requests"]["memory"]) == memory, "request = limit: no eviction under pressure"
+        assert memory >= pool.memory_budget_bytes + MIN_POOL_OVERHEAD_BYTES, pool.name
+        if pool.ssd_dir is None:
+            continue
+        mounts = {m["name"]: PurePosixPath(m["mountPath"]) for m in container(sts)["volumeMounts"]}
+        (volume_name,) = [n for n, path in mounts.items()
+                          if PurePosixPath(pool.ssd_dir).is_relative_to(path) and n != "config"]
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"].get("volumes", [])}
+        claims = {c["metadata"]["name"]: c for c in sts["spec"].get("volumeClaimTemplates", [])}
+        if volume_name in claims:
+            assert volume_name not in volumes
+            size = claims[volume_name]["spec"]["resources"]["requests"]["storage"]
+        else:
+            size = volumes[volume_name]["emptyDir"]["sizeLimit"]
+        assert quantity_bytes(size) >= pool.ssd_budget_bytes, pool.name
 
 
 @pytest.mark.parametrize("deployment", deployments())
@@ -180,6 +284,7 @@ def test_workers_get_the_kv_secret_and_tls_files_from_secrets(deployment):
     config = config_of(render(deployment, "local-cluster"))
     transport = TransportSettings.of(config.transport)
     for rendered, sts in pods(deployment).values():
+        assert not is_pool(sts)
         secret_ref = env_of(sts)[transport.secret_env]["valueFrom"]["secretKeyRef"]
         assert secret_ref == {"name": "prfaas-secrets", "key": "kv-secret"}
         volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
@@ -192,7 +297,11 @@ def test_workers_get_the_kv_secret_and_tls_files_from_secrets(deployment):
 @pytest.mark.parametrize("deployment, role", ROLES)
 def test_termination_grace_covers_the_drain(deployment, role):
     worker_drain_s = inspect.signature(serve_worker).parameters["grace_s"].default
+    pool_drain_s = inspect.signature(serve_cache_pool).parameters["grace_s"].default
     rendered = render(deployment, role)
     for workload in rendered.of_kind("StatefulSet") + rendered.of_kind("Deployment"):
-        drain_s = SHUTDOWN_GRACE_S if workload["kind"] == "Deployment" else worker_drain_s
+        if workload["kind"] == "Deployment":
+            drain_s = SHUTDOWN_GRACE_S
+        else:
+            drain_s = pool_drain_s if is_pool(workload) else worker_drain_s
         assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s

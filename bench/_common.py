@@ -28,12 +28,19 @@ def require(tool: str, package: str) -> str:
     return path
 
 
+def pinned(cpu: int | None) -> list[str]:
+    """argv prefix running a command on one CPU (none when ``cpu`` is None)."""
+    return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
+
 def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
-                seconds: float | None = None, attempts: int = 5) -> float:
+                seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
+                client_cpu: int | None = None) -> float:
     """Receiver-side goodput of one iperf3 run with ``streams`` parallel TCP streams (a run that
     iperf3 itself reports as failed is repeated with a fresh server)."""
     require("iperf3", "iperf3")
     wrap = ["ip", "netns", "exec", netns] if netns else []
+    wrap += pinned(server_cpu)
     amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
     error = ""
     for _ in range(attempts):
@@ -42,7 +49,7 @@ def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = Non
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(50):  # until the server listens
-                result = subprocess.run(["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
+                result = subprocess.run(pinned(client_cpu) + ["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
                                         capture_output=True, text=True)
                 if "unable to connect" not in result.stdout + result.stderr:
                     break
@@ -83,11 +90,11 @@ while True:
 
 
 def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connections: int = 8,
-                   netns: str | None = None) -> tuple[subprocess.Popen, int]:
+                   netns: str | None = None, cpu: int | None = None) -> tuple[subprocess.Popen, int]:
     """A KV receiver in its own process (optionally inside ``netns``); returns it and its port.
     It prints one line per finished transfer: kind, transfer id, completion time (epoch seconds)."""
     code = RECEIVER_SCRIPT.format(root=str(ROOT), secret=secret, connections=connections, host=host, port=port)
-    wrap = ["ip", "netns", "exec", netns] if netns else []
+    wrap = (["ip", "netns", "exec", netns] if netns else []) + pinned(cpu)
     process = subprocess.Popen(wrap + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     ready, bound = process.stdout.readline().split()
     return process, int(bound)

@@ -2,8 +2,10 @@
 
 A 1 GiB KV stream (64 layers of 16 MiB) goes from this process to a receiver process through
 ``KVTransport`` (8 connections, checksums and authentication on, as deployed); iperf3 moves the
-same number of bytes over 8 streams. A first, unmeasured transfer opens the connections (workers
-keep theirs open); then runs alternate and medians are compared.
+same number of bytes over 8 streams. Both run with the sender on CPU 0 and the receiver on CPU 1,
+so neither shares a core with its peer (left to the scheduler, the two ends of iperf3 sometimes
+share one and its goodput swings between runs). A first, unmeasured transfer opens the
+connections (workers keep theirs open); then runs alternate and medians are compared.
 
     python bench/transport_loopback.py [--rounds 3] [--connections 8]
 """
@@ -24,6 +26,7 @@ NUM_LAYERS = 64
 LAYER_BYTES = 16 << 20
 BLOCKS_PER_LAYER = 256
 SECRET = "bench-secret"
+SENDER_CPU, RECEIVER_CPU = 0, 1
 
 def transport_gbps(receiver: subprocess.Popen, port: int, tx: KVTransport, round_id: int) -> float:
     payload = memoryview(os.urandom(LAYER_BYTES))
@@ -40,14 +43,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating runs of each (default 5)")
     parser.add_argument("--connections", type=int, default=8, help="TCP connections / iperf3 streams (default 8)")
     args = parser.parse_args()
-    receiver, port = start_receiver(SECRET, connections=args.connections)
+    os.sched_setaffinity(0, {SENDER_CPU})
+    receiver, port = start_receiver(SECRET, connections=args.connections, cpu=RECEIVER_CPU)
     tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=args.connections))
     try:
         transport_gbps(receiver, port, tx, -1)  # opens the connections, which a deployment keeps open
         ours, theirs = [], []
         for round_id in range(args.rounds):
             ours.append(transport_gbps(receiver, port, tx, round_id))
-            theirs.append(iperf3_gbps("127.0.0.1", args.connections, NUM_LAYERS * LAYER_BYTES))
+            theirs.append(iperf3_gbps("127.0.0.1", args.connections, NUM_LAYERS * LAYER_BYTES,
+                                      server_cpu=RECEIVER_CPU, client_cpu=SENDER_CPU))
             print(f"round {round_id + 1}/{args.rounds}: transport {ours[-1]:.2f} Gbit/s, "
                   f"iperf3 {theirs[-1]:.2f} Gbit/s", file=sys.stderr)
     finally:

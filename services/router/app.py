@@ -114,7 +114,7 @@ class RouterApp:
                 self.metrics.e2e.observe(time.monotonic() - started)
 
     def _admitted(self, generate_input: GenerateInput, qos: QosClass | None):
-        if self.admission is None or qos is None:
+        if self.admission is None:
             return contextlib.nullcontext()
         return self.admission.admitted(generate_input.request_id, qos, len(generate_input.prompt_token_ids))
 

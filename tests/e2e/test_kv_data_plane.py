@@ -16,7 +16,6 @@ import re
 import socket
 import threading
 import time
-import urllib.request
 import uuid
 
 import grpc
@@ -88,24 +87,6 @@ def cluster(tmp_path_factory):
     deployment.stop()
 
 
-def _get(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.read().decode()
-    except OSError:
-        return None
-
-
-def _metric(url: str, sample: str) -> float:
-    """A sample's value on the router's /metrics (``name{labels}`` as exported), 0 when absent."""
-    match = re.search(rf"^{re.escape(sample)} (\S+)$", _get(url + "/metrics") or "", re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def _routed(url: str, path: str) -> float:
-    return _metric(url, f'prfaas_router_routed_requests_total{{path="{path}"}}')
-
-
 def _budget(length: int) -> int:
     return min(length - 1, BUDGET)
 
@@ -145,21 +126,21 @@ def _completions(url: str, prompts: list[list[int]]) -> list[str]:
 
 
 def test_streamed_kv_gives_the_colocated_engines_tokens_on_both_paths(cluster, expected):
-    url = cluster.base_url
-    before = {path: _routed(url, path) for path in ("prfaas", "pd", "local")}
+    before = {path: cluster.routed(path) for path in ("prfaas", "pd", "local")}
     for path in ("prfaas", "pd"):
         for prompt, text in expected[path]:
-            assert _completions(url, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs on the {path} path"
-    assert _routed(url, "prfaas") - before["prfaas"] == len(expected["prfaas"])
-    assert _routed(url, "pd") - before["pd"] == len(expected["pd"])
-    assert _routed(url, "local") == before["local"] == 0
+            assert _completions(cluster.base_url, [prompt]) == [text], \
+                f"prompt of {len(prompt)} tokens differs on the {path} path"
+    assert cluster.routed("prfaas") - before["prfaas"] == len(expected["prfaas"])
+    assert cluster.routed("pd") - before["pd"] == len(expected["pd"])
+    assert cluster.routed("local") == before["local"] == 0
 
 
 def test_eight_requests_in_flight_stream_their_kv_exactly(cluster, expected):
     pairs = expected["in_flight"]
     assert _completions(cluster.base_url, [p for p, _ in pairs]) == [t for _, t in pairs]
     assert "KV transfer dropped" not in cluster.child("pd-d").log_tail(400)
-    assert _metric(cluster.base_url, "prfaas_router_prefill_fallbacks_total") == 0
+    assert cluster.metric("prfaas_router_prefill_fallbacks_total") == 0
 
 
 def test_transport_telemetry_reaches_the_router_metrics(cluster):
@@ -167,7 +148,7 @@ def test_transport_telemetry_reaches_the_router_metrics(cluster):
     link = cluster.worker_stats("prefill-0").kv_links[0]
     assert link.connections >= 1 and link.bytes_sent > 0 and link.transfers_sent >= 1 and link.rtt_ms > 0
     assert cluster.worker_stats("pd-d").kv_bytes_received > 0
-    metrics = _get(cluster.base_url + "/metrics")
+    metrics = cluster.metrics_text()
     assert re.search(r'prfaas_kv_link_goodput_bits_per_second\{peer="[^"]+",worker="prefill-0"\} [1-9]', metrics)
 
 
@@ -246,7 +227,7 @@ def test_killing_the_prefill_worker_mid_transfer_falls_back_without_leaks(cluste
     cluster.kill("prefill-0")
     client.join(timeout=300)
     assert result == [text]
-    assert _metric(cluster.base_url, "prfaas_router_prefill_fallbacks_total") == 1
+    assert cluster.metric("prfaas_router_prefill_fallbacks_total") == 1
     stats = lambda: cluster.worker_stats("pd-d")  # noqa: E731
     idle = lambda s: s.num_active_requests == s.num_running_requests == s.num_waiting_requests == 0  # noqa: E731
     assert wait_until(lambda: idle(stats()) and stats().kv_cache_usage <= idle_usage, 30), \

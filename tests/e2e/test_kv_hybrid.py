@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import urllib.request
 
 import openai
 import pytest
@@ -75,18 +74,11 @@ def _completions(deployment, prompts):
     return [r.choices[0].text for r in asyncio.run(run())]
 
 
-def _routed(deployment) -> dict[str, float]:
-    with urllib.request.urlopen(deployment.base_url + "/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {path: float(value) for path, value in re.findall(r'prfaas_router_routed_requests_total\{path="(\w+)"\} (\S+)', text)}
-
-
 def test_hybrid_state_and_kv_stream_token_exact_on_both_paths(cluster, expected):
     for prompt, text in expected[:len(LENGTHS)]:
         path = "prfaas" if len(prompt) > THRESHOLD else "pd"
         assert _completions(cluster, [prompt]) == [text], f"prompt of {len(prompt)} tokens differs on the {path} path"
-    routed = _routed(cluster)
-    assert routed.get("prfaas") == routed.get("pd") == 2 and not routed.get("local")
+    assert cluster.routed("prfaas") == cluster.routed("pd") == 2 and cluster.routed("local") == 0
     assert cluster.worker_stats("pd-d").kv_bytes_received > 0
 
 

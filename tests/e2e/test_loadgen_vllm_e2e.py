@@ -5,10 +5,10 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
+from services.launcher.supervisor import router_healthy
 from support.deployment import wait_until
 from support.ports import free_port
 
@@ -32,21 +32,14 @@ def vllm_server(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: server.poll() is None and _up(url + "/v1/models"), 300, interval_s=1), \
+        # vLLM's /health, like the router's, answers 200 once the engine can serve.
+        assert wait_until(lambda: server.poll() is None and router_healthy("127.0.0.1", port), 300, interval_s=1), \
             f"vLLM's server did not start (exit code {server.poll()}); see {log.name}"
         yield url
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
-
-
-def _up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def _bench(url: str, tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:

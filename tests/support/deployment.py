@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +81,18 @@ class Deployment:
             stub_class = pb_grpc.DecodeWorkerStub if worker.get("service", "decode_worker") == "decode_worker" \
                 else pb_grpc.PrefillWorkerStub
             return stub_class(channel).GetStats(pb.StatsRequest(), timeout=5)
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as reply:
+            return reply.read().decode()
+
+    def metric(self, sample: str) -> float:
+        """A sample's value on the router's /metrics (``name{labels}`` as exported), 0 when absent."""
+        match = re.search(rf"^{re.escape(sample)} (\S+)$", self.metrics_text(), re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def routed(self, path: str) -> float:
+        return self.metric(f'prfaas_router_routed_requests_total{{path="{path}"}}')
 
     def logs(self) -> str:
         return "\n".join(f"--- {c.name} ---\n{c.log_tail(40)}" for c in self.children)

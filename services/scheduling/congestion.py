@@ -9,13 +9,22 @@ PrfaaS queue), and lowers it by ``step`` toward the base threshold while utiliza
 
 When no PrfaaS prefill worker is usable (all unhealthy, or their links failing transfers),
 offloading stops at once; it resumes after the workers have been usable for ``hold_s``.
-The controller is pure: no I/O, the caller supplies the clock. The router and the simulator run it.
+
+Long timescale: with an :class:`~services.scheduling.threshold.OffloadModel` (the planner's model),
+:meth:`CongestionAwareThreshold.reoptimize` moves the floor the controller returns to (the base)
+to the threshold the link's bandwidth allows at the observed arrival rate, and caps how far the
+short timescale may raise t before local prefill becomes the bottleneck (the ceiling).
+
+The controller is pure: no I/O, the caller supplies the clock. The router and the simulator
+(``services/simulator``) run this same class.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+from services.scheduling.threshold import OffloadModel
 
 ControllerState = Literal["base", "raised", "stopped"]
 STATES: tuple[ControllerState, ...] = ("base", "raised", "stopped")
@@ -48,7 +57,11 @@ class CongestionControllerConfig:
 
 @dataclass(frozen=True, slots=True)
 class LinkSample:
-    """One stats interval of the PrfaaS egress link, summed over the usable prefill workers."""
+    """One stats interval of the PrfaaS egress link, summed over the usable prefill workers.
+    ``capacity_gbps``: the link's measured capacity; None means the configured one.
+    ``num_local_queued``: requests waiting for local prefill over ``num_local_workers``; when given,
+    a long PrfaaS queue counts as congestion only while it is longer per worker than the local one
+    (raising t then would only move the backlog onto the busier side)."""
 
     now_s: float
     egress_gbps: float = 0.0
@@ -56,14 +69,20 @@ class LinkSample:
     rtt_increase_ms: float = 0.0
     num_queued: int = 0
     num_usable_workers: int = 1
+    capacity_gbps: float | None = None
+    num_local_queued: int | None = None
+    num_local_workers: int = 1
 
 
 class CongestionAwareThreshold:
     """Call :meth:`observe` once per stats interval; read :attr:`threshold_tokens` (the value to
     route with: ``inf`` while offloading is stopped) and :attr:`state`. Never blocks."""
 
-    def __init__(self, config: CongestionControllerConfig) -> None:
+    def __init__(self, config: CongestionControllerConfig, model: OffloadModel | None = None) -> None:
         self.config = config
+        self.model = model
+        self.base_tokens = config.base_threshold_tokens
+        self.ceiling_tokens = config.max_threshold_tokens
         self._level_tokens = config.base_threshold_tokens
         self.state: ControllerState = "base"
         self.utilization = 0.0
@@ -81,11 +100,27 @@ class CongestionAwareThreshold:
 
     @property
     def _level_state(self) -> ControllerState:
-        return "raised" if self._level_tokens > self.config.base_threshold_tokens else "base"
+        return "raised" if self._level_tokens > self.base_tokens else "base"
+
+    def reoptimize(self, bandwidth_gbps: float, arrival_rate: float) -> float:
+        """Long timescale (minutes): re-derive the base and the ceiling from the planner's model
+        at this bandwidth and arrival rate, never below the configured base or above the maximum.
+        Without a model this is a no-op. Returns the threshold to route with."""
+        if self.model is None:
+            return self.threshold_tokens
+        cfg = self.config
+        base, ceiling = self.model.bounds(bandwidth_gbps, arrival_rate)
+        self.base_tokens = min(max(base, cfg.base_threshold_tokens), cfg.max_threshold_tokens)
+        self.ceiling_tokens = min(max(ceiling, self.base_tokens), cfg.max_threshold_tokens)
+        self._level_tokens = min(max(self._level_tokens, self.base_tokens), self.ceiling_tokens)
+        if self.state != "stopped":
+            self.state = self._level_state
+        return self.threshold_tokens
 
     def observe(self, sample: LinkSample) -> float:
         cfg = self.config
-        self.utilization = sample.egress_gbps / cfg.link_capacity_gbps
+        capacity = cfg.link_capacity_gbps if sample.capacity_gbps is None else sample.capacity_gbps
+        self.utilization = sample.egress_gbps / capacity if capacity > 0 else 0.0
         self.congested = self._congested(sample)
         if sample.num_usable_workers <= 0:
             self._stop(sample.now_s)
@@ -97,17 +132,22 @@ class CongestionAwareThreshold:
 
     def _congested(self, sample: LinkSample) -> bool:
         cfg = self.config
-        queue_limit = cfg.queue_depth_per_worker * max(sample.num_usable_workers, 1)
         return (sample.retransmit_ratio > cfg.retransmit_ratio or sample.rtt_increase_ms > cfg.rtt_increase_ms
-                or sample.num_queued > queue_limit)
+                or self._queue_congested(sample))
+
+    def _queue_congested(self, sample: LinkSample) -> bool:
+        per_worker = sample.num_queued / max(sample.num_usable_workers, 1)
+        if per_worker <= self.config.queue_depth_per_worker:
+            return False
+        return sample.num_local_queued is None or per_worker > sample.num_local_queued / max(sample.num_local_workers, 1)
 
     def _adjust(self, now_s: float) -> None:
         cfg = self.config
         level = self._level_tokens
         if self.congested or self.utilization > cfg.raise_utilization:
-            target = min(max(level * cfg.step, level + cfg.min_step_tokens), cfg.max_threshold_tokens)
+            target = min(max(level * cfg.step, level + cfg.min_step_tokens), self.ceiling_tokens)
         elif self.utilization < cfg.lower_utilization:
-            target = max(min(level / cfg.step, level - cfg.min_step_tokens), cfg.base_threshold_tokens)
+            target = max(min(level / cfg.step, level - cfg.min_step_tokens), self.base_tokens)
         else:
             return
         if target != level:

@@ -1,20 +1,20 @@
-"""A bandwidth-aware routing threshold (paper, section 3.3).
+"""The planner's model of the offload threshold (paper, sections 3.3-3.4): what t the link allows.
 
 Offloading every request longer than t sends ``rate * E[S_kv(L); L > t]`` bytes per second across
-the cluster link (``E[S_kv(L); L > t] = p(t) * E[S_kv | L > t]``). When the measured bandwidth
-``B`` can no longer carry that with some headroom, the controller raises t to the smallest value
-with ``rate * E[S_kv(L); L > t] <= headroom * B``; it never goes below the planner's threshold,
-which is already the throughput optimum when the link is not the bottleneck.
+the cluster link. :class:`OffloadModel` answers the long-timescale question of the threshold
+controller (``CongestionAwareThreshold.reoptimize``): given the link bandwidth and the arrival
+rate, which threshold should be the floor the controller returns to, and how far may the short
+timescale raise it before local prefill becomes the bottleneck.
 
-Raising t moves work onto local prefill. When the controller also knows the local prefill load
-(``local_prefill_s(t)`` = E[T_local(L); L <= t] / N_p, seconds per arriving request per instance),
-it stops raising t where local prefill would become busier than the link: it picks the smallest
-t with ``link utilization <= max(headroom, local utilization)``, so an infeasible link (both
-sides overloaded) is balanced instead of moving the whole overload onto the local cluster.
+- **base**: the smallest t >= the planner's threshold whose offloaded KV fits ``headroom`` of the
+  link. With a local load model (``local_prefill_s(t)`` = E[T_local(L); L <= t] / N_p, seconds per
+  arriving request per instance) it stops where local prefill would become busier than the link
+  (smallest t with ``link utilization <= max(headroom, local utilization)``), so an infeasible link
+  (both sides overloaded) is balanced instead of moving the whole overload onto the local cluster.
+- **ceiling**: the largest t at which local prefill stays below ``local_max_utilization`` (never
+  below the base); without a local load model, ``max_tokens``.
 
-Bandwidth samples are smoothed asymmetrically (drops are believed at once, recoveries slowly) and
-lowering t waits until the change exceeds a hysteresis band, so the threshold does not flap.
-The controller is pure: the caller supplies samples, the arrival rate and the clock.
+Pure: the caller supplies the bandwidth and the arrival rate.
 """
 from __future__ import annotations
 
@@ -25,94 +25,66 @@ GBPS = 1e9 / 8
 
 
 @dataclass(frozen=True, slots=True)
-class ThresholdControllerConfig:
-    base_threshold_tokens: float
+class OffloadModel:
+    """``offloaded_kv_bytes(t)`` is E[S_kv(L); L > t] (non-increasing in t); ``local_prefill_s(t)``,
+    when given, is the local prefill busy time per arriving request per instance (non-decreasing)."""
+
+    offloaded_kv_bytes: Callable[[float], float]
     min_tokens: float
     max_tokens: float
-    headroom: float = 0.9
-    rise_smoothing: float = 0.2
-    drop_smoothing: float = 1.0
-    hysteresis: float = 0.05
+    local_prefill_s: Callable[[float], float] | None = None
+    headroom: float = 0.75
+    local_max_utilization: float = 0.9
     resolution_tokens: float = 16.0
 
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
-        if not (0 < self.rise_smoothing <= 1 and 0 < self.drop_smoothing <= 1):
-            raise ValueError("smoothing weights must be in (0, 1]")
-        if not self.min_tokens <= self.base_threshold_tokens <= self.max_tokens:
-            raise ValueError("the base threshold must lie within [min_tokens, max_tokens]")
+        if not 0 < self.local_max_utilization:
+            raise ValueError("local_max_utilization must be positive")
+        if not self.min_tokens <= self.max_tokens:
+            raise ValueError("need min_tokens <= max_tokens")
 
-
-class BandwidthAwareThreshold:
-    """Turns bandwidth samples into a routing threshold.
-
-    ``offloaded_kv_bytes(t)`` is E[S_kv(L); L > t], the KV bytes the link carries per arriving
-    request at threshold t; it must be non-increasing in t. Call :meth:`observe` whenever a
-    bandwidth sample arrives (router: from transfer telemetry; simulator: from the link model);
-    it never blocks and returns the threshold to use from now on.
-    """
-
-    def __init__(self, config: ThresholdControllerConfig, offloaded_kv_bytes: Callable[[float], float],
-                 local_prefill_s: Callable[[float], float] | None = None) -> None:
-        self.config = config
-        self._offloaded_kv_bytes = offloaded_kv_bytes
-        self._local_prefill_s = local_prefill_s
-        self._estimate_gbps: float | None = None
-        self._solved_for: tuple[float, float] | None = None
-        self.threshold_tokens = config.base_threshold_tokens
-
-    @property
-    def bandwidth_estimate_gbps(self) -> float | None:
-        return self._estimate_gbps
-
-    def observe(self, bandwidth_gbps: float, arrival_rate: float) -> float:
-        estimate = self._smooth(max(bandwidth_gbps, 0.0))
-        if self._solved_for is not None and _close(self._solved_for, (estimate, arrival_rate)):
-            return self.threshold_tokens
-        self._solved_for = (estimate, arrival_rate)
-        required = self.required_threshold(estimate, arrival_rate)
-        current = self.threshold_tokens
-        if required > current or (current - required) > self.config.hysteresis * current:
-            self.threshold_tokens = required
-        return self.threshold_tokens
+    def bounds(self, bandwidth_gbps: float, arrival_rate: float) -> tuple[float, float]:
+        """(base, ceiling) for the short-timescale controller, both within [min_tokens, max_tokens]."""
+        base = self.required_threshold(bandwidth_gbps, arrival_rate)
+        if self.local_prefill_s is None:
+            return base, self.max_tokens
+        if arrival_rate <= 0:
+            return base, base
+        local, limit = self.local_prefill_s, self.local_max_utilization / arrival_rate
+        if local(base) > limit:
+            return base, base
+        if local(self.max_tokens) <= limit:
+            return base, self.max_tokens
+        return base, self._smallest(base, self.max_tokens, lambda t: local(t) > limit)
 
     def required_threshold(self, bandwidth_gbps: float, arrival_rate: float) -> float:
-        """The smallest t >= the base threshold whose offloaded KV fits ``headroom * bandwidth``
-        (or, with a local load model, fits at least as well as local prefill does)."""
-        cfg = self.config
+        """The smallest t >= ``min_tokens`` whose offloaded KV fits ``headroom * bandwidth`` (or,
+        with a local load model, fits at least as well as local prefill does)."""
         if arrival_rate <= 0:
-            return cfg.base_threshold_tokens
-        bandwidth = bandwidth_gbps * GBPS
+            return self.min_tokens
+        bandwidth = max(bandwidth_gbps, 0.0) * GBPS
 
         def fits(t: float) -> bool:
-            link = arrival_rate * self._offloaded_kv_bytes(t)
-            if link <= cfg.headroom * bandwidth:
+            link = arrival_rate * self.offloaded_kv_bytes(t)
+            if link <= self.headroom * bandwidth:
                 return True
-            return self._local_prefill_s is not None and link <= arrival_rate * self._local_prefill_s(t) * bandwidth
+            return self.local_prefill_s is not None and link <= arrival_rate * self.local_prefill_s(t) * bandwidth
 
-        lo, hi = cfg.base_threshold_tokens, cfg.max_tokens
-        if fits(lo):
+        return self._smallest(self.min_tokens, self.max_tokens, fits)
+
+    def _smallest(self, lo: float, hi: float, holds: Callable[[float], bool]) -> float:
+        """The smallest t in [lo, hi] (to ``resolution_tokens``) where a monotone ``holds`` is true;
+        ``hi`` when it holds nowhere."""
+        if holds(lo):
             return lo
-        if not fits(hi):
+        if not holds(hi):
             return hi
-        while hi - lo > cfg.resolution_tokens:
+        while hi - lo > self.resolution_tokens:
             mid = (lo + hi) / 2
-            if fits(mid):
+            if holds(mid):
                 hi = mid
             else:
                 lo = mid
         return hi
-
-    def _smooth(self, sample: float) -> float:
-        previous = self._estimate_gbps
-        if previous is None:
-            self._estimate_gbps = sample
-        else:
-            weight = self.config.drop_smoothing if sample < previous else self.config.rise_smoothing
-            self._estimate_gbps = previous + weight * (sample - previous)
-        return self._estimate_gbps
-
-
-def _close(a: tuple[float, float], b: tuple[float, float], tolerance: float = 0.005) -> bool:
-    return all(abs(x - y) <= tolerance * max(abs(x), 1e-12) for x, y in zip(a, b))

@@ -16,7 +16,9 @@ def register(subparsers) -> None:
         help="simulate a PrfaaS deployment under load (TTFT, throughput, queues)",
         description="Discrete-event simulation of the planner's deployment: arrivals, PrfaaS and local "
         "prefill queues, the cross-cluster link (optionally following a bandwidth trace) and decode "
-        "batch slots, for the homogeneous, naive, static-threshold and adaptive-threshold policies.",
+        "batch slots, for the homogeneous, naive, static-threshold and adaptive-threshold policies. The "
+        "adaptive policy runs the router's threshold controller (CongestionAwareThreshold) fed from the "
+        "simulated link, with the planner's model re-optimising its base threshold.",
     )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="planner input YAML (default: deploy/planner/case_study.yaml)")
@@ -27,7 +29,9 @@ def register(subparsers) -> None:
                       help="offered load as a fraction of the planner's PrfaaS-PD Lambda_max (default 0.9)")
     parser.add_argument("--requests", type=int, default=50_000, help="requests to simulate (default: %(default)s)")
     parser.add_argument("--arrivals", choices=("poisson", "onoff", "mmpp"), default="poisson",
-                        help="arrival process (default: poisson)")
+                        help="arrival process, all at the same mean rate (default: poisson). Bursty: 'onoff' "
+                        "alternates on periods at 2x the rate with silent off periods; 'mmpp' alternates "
+                        "1.6x and 0.4x the rate; state lengths are exponential with mean --burst-seconds")
     parser.add_argument("--burst-seconds", type=float, default=30.0,
                         help="mean length of each on/off or MMPP state (default: %(default)s)")
     parser.add_argument("--bandwidth-trace", metavar="TRACE",
@@ -39,10 +43,15 @@ def register(subparsers) -> None:
     slo.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="absolute TTFT SLO")
     slo.add_argument("--slo-factor", type=float, default=2.0,
                      help="TTFT SLO as a multiple of each request's no-queue TTFT (default: %(default)s)")
-    parser.add_argument("--headroom", type=float, default=0.9,
-                        help="adaptive: fraction of the measured bandwidth offloading may use (default: %(default)s)")
+    parser.add_argument("--headroom", type=float, default=0.75,
+                        help="adaptive: fraction of the link's bandwidth the re-optimised base threshold may "
+                        "fill (default: %(default)s)")
     parser.add_argument("--observe-interval", type=float, default=1.0,
-                        help="adaptive: seconds between bandwidth samples (default: %(default)s)")
+                        help="adaptive: seconds between the link samples fed to the router's threshold "
+                        "controller (default: %(default)s)")
+    parser.add_argument("--reoptimize-interval", type=float, default=300.0,
+                        help="adaptive: seconds between re-optimisations of the base threshold with the "
+                        "planner's model at the current bandwidth and measured arrival rate (default: %(default)s)")
     parser.add_argument("--compare-mean-length", action="store_true",
                         help="also report how much the mean-length simplification overstates capacity")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -108,7 +117,8 @@ def _simulate_all(args, inputs, plan, rate, trace):
                        plan.prfaas.threshold_tokens, arrivals=args.arrivals, burst_seconds=args.burst_seconds,
                        bandwidth_trace=trace, mean_length_mode=args.mean_length_mode, seed=args.seed,
                        ttft_slo_s=args.ttft_slo, slo_factor=args.slo_factor,
-                       observe_interval_s=args.observe_interval, progress=args.requests >= 200_000)
+                       observe_interval_s=args.observe_interval,
+                       reoptimize_interval_s=args.reoptimize_interval, progress=args.requests >= 200_000)
         controller = make_controller(inputs, plan, headroom=args.headroom) if policy == "adaptive" else None
         results.append(simulate(spec, controller))
     return results
@@ -122,7 +132,8 @@ def _check_args(args) -> str | None:
               (args.ttft_slo is None or args.ttft_slo > 0, "--ttft-slo: must be positive"),
               (args.slo_factor > 0, "--slo-factor: must be positive"),
               (0 < args.headroom <= 1, "--headroom: must be in (0, 1]"),
-              (args.observe_interval > 0, "--observe-interval: must be positive")]
+              (args.observe_interval > 0, "--observe-interval: must be positive"),
+              (args.reoptimize_interval > 0, "--reoptimize-interval: must be positive")]
     return next((message for ok, message in checks if not ok), None)
 
 

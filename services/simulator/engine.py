@@ -8,6 +8,13 @@ over the intra-cluster fabric, taken as free.
 
 The loop keeps per-request state in flat arrays and events as ``(time, kind, id)`` tuples on a
 heap; arrivals are drawn one ahead instead of living on the heap.
+
+The adaptive policy runs the router's threshold controller (``CongestionAwareThreshold``): every
+``observe_interval_s`` it gets a ``LinkSample`` synthesized from the simulated link (egress over
+the interval, the link's current capacity, the PrfaaS prefill and transfer queue depth, how long
+the oldest transfer has waited as the RTT-increase proxy, and no usable workers while the link is
+at 0 Gbps); every ``reoptimize_interval_s`` it re-optimises its base threshold with the planner's
+model at the current bandwidth and the arrival rate measured over that interval.
 """
 from __future__ import annotations
 
@@ -19,8 +26,8 @@ import time
 from array import array
 from collections import deque
 
+from services.scheduling.congestion import CongestionAwareThreshold, LinkSample
 from services.scheduling.routing import choose_prefill_site
-from services.scheduling.threshold import BandwidthAwareThreshold
 from services.simulator.arrivals import make_arrivals
 from services.simulator.bandwidth import bandwidth_at
 from services.simulator.results import SimResult
@@ -32,14 +39,14 @@ INF = float("inf")
 PROGRESS_EVERY = 100_000
 
 
-def simulate(spec: RunSpec, controller: BandwidthAwareThreshold | None = None) -> SimResult:
-    """Run one policy; the adaptive policy needs a threshold ``controller`` (it is fed the link's
-    bandwidth every ``spec.observe_interval_s`` simulated seconds)."""
+def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) -> SimResult:
+    """Run one policy; the adaptive policy needs a threshold ``controller`` (see the module docstring
+    for what it is fed)."""
     return _Simulation(spec, controller).run()
 
 
 class _Simulation:
-    def __init__(self, spec: RunSpec, controller: BandwidthAwareThreshold | None) -> None:
+    def __init__(self, spec: RunSpec, controller: CongestionAwareThreshold | None) -> None:
         topo = spec.topology
         if spec.policy != "homogeneous" and not topo.num_prfaas:
             raise ValueError(f"policy {spec.policy!r} needs PrfaaS prefill instances")
@@ -77,8 +84,11 @@ class _Simulation:
         mean_mode = spec.mean_length_mode
         threshold = self.threshold
         long_mean, short_mean = self.class_means(threshold) if mean_mode else (0.0, 0.0)
-        controller, rate = self.controller, spec.rate
-        observe_every, next_observe = spec.observe_interval_s, 0.0
+        controller = self.controller
+        observe_every, next_observe, observed_at = spec.observe_interval_s, 0.0, 0.0
+        reoptimize_every, reoptimized_at, arrivals_seen = spec.reoptimize_interval_s, 0.0, 0
+        next_reoptimize = reoptimize_every
+        sent_done = sent_seen = 0.0
         min_t = max_t = threshold
         prfaas_latency, prfaas_kv, local_latency = topo.prfaas_latency, topo.prfaas_kv_bytes, topo.local_latency
         nominal_bw = topo.link_gbps * GBPS
@@ -116,8 +126,22 @@ class _Simulation:
                     samples.append((now, len(prfaas_q), len(local_q), len(link_q) + (link_rid >= 0), len(decode_q)))
                     next_sample = now + sample_every
                 if controller is not None and now >= next_observe:
-                    threshold = controller.observe(gbps_now, rate)
-                    min_t, max_t = min(min_t, threshold), max(max_t, threshold)
+                    sent = sent_done + (min(kv[link_rid], kv[link_rid] - link_left + (now - link_since) * bw)
+                                        if link_rid >= 0 else 0.0)
+                    sample = LinkSample(
+                        now_s=now, egress_gbps=(sent - sent_seen) / GBPS / (now - observed_at) if now > observed_at
+                        else 0.0, rtt_increase_ms=1000.0 * (now - work[link_q[0]]) if link_q else 0.0,
+                        num_queued=len(prfaas_q) + len(link_q), capacity_gbps=gbps_now,
+                        num_local_queued=len(local_q), num_local_workers=topo.num_local_prefill,
+                        num_usable_workers=topo.num_prfaas if gbps_now > 0 else 0)
+                    sent_seen, observed_at = sent, now
+                    if now >= next_reoptimize:
+                        controller.reoptimize(gbps_now, (i - arrivals_seen) / (now - reoptimized_at))
+                        reoptimized_at, arrivals_seen = now, i
+                        next_reoptimize = now + reoptimize_every
+                    threshold = controller.observe(sample)
+                    if threshold < INF:
+                        min_t, max_t = min(min_t, threshold), max(max_t, threshold)
                     next_observe = now + observe_every
                     if mean_mode:
                         long_mean, short_mean = self.class_means(threshold)
@@ -199,6 +223,7 @@ class _Simulation:
                 if rid != link_version:
                     continue
                 rid = link_rid
+                sent_done += kv[rid]
                 if link_q:
                     link_rid = link_q.popleft()
                     wait["link"] += now - work[link_rid]

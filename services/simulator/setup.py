@@ -9,7 +9,8 @@ from services.planner.inputs import PlanInputs, PrefixHitSpec
 from services.planner.model import PrfaasModel
 from services.planner.profiles import PiecewiseLinear, PrefillCurves
 from services.planner.report import PlanResult
-from services.scheduling.threshold import BandwidthAwareThreshold, ThresholdControllerConfig
+from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig
+from services.scheduling.threshold import OffloadModel
 
 Policy = Literal["homogeneous", "naive", "static", "adaptive"]
 POLICIES: tuple[Policy, ...] = ("homogeneous", "naive", "static", "adaptive")
@@ -56,6 +57,7 @@ class RunSpec:
     ttft_slo_s: float | None = None
     slo_factor: float = 2.0
     observe_interval_s: float = 1.0
+    reoptimize_interval_s: float = 300.0
     num_samples: int = 1000
     progress: bool = False
 
@@ -85,12 +87,24 @@ def topology_for(policy: Policy, inputs: PlanInputs, plan: PlanResult) -> Topolo
                      plan.prfaas.num_decode, dep.decode_profile, dep.cross_cluster_gbps)
 
 
-def make_controller(inputs: PlanInputs, plan: PlanResult, **overrides) -> BandwidthAwareThreshold:
-    """The adaptive policy's controller: starts at the planner's threshold, knows the offloaded KV
-    bytes E[S_kv(L); L > t] and the local prefill load E[T_local(L); L <= t] / N_p."""
+SIMULATED_LINK = {
+    # The simulated link has no TCP: its "RTT increase" is how long the oldest KV transfer has
+    # waited for the link, and transfers take ~0.1-2 s each, so 20 ms (the router's default) would
+    # count every second transfer as congestion. Retransmissions never occur.
+    "rtt_increase_ms": 2000.0,
+}
+
+
+def make_controller(inputs: PlanInputs, plan: PlanResult, headroom: float = 0.75,
+                    **overrides) -> CongestionAwareThreshold:
+    """The adaptive policy's controller: the router's ``CongestionAwareThreshold`` starting at the
+    planner's threshold, with the planner's model for its long-timescale re-optimisation (the
+    offloaded KV bytes E[S_kv(L); L > t] and the local prefill load E[T_local(L); L <= t] / N_p).
+    ``overrides`` are ``CongestionControllerConfig`` fields."""
     spec = inputs.workload.input_length
-    config = ThresholdControllerConfig(base_threshold_tokens=plan.prfaas.threshold_tokens,
-                                       min_tokens=spec.min_tokens, max_tokens=spec.max_tokens, **overrides)
+    config = CongestionControllerConfig(**{
+        "base_threshold_tokens": plan.prfaas.threshold_tokens, "max_threshold_tokens": spec.max_tokens,
+        "link_capacity_gbps": inputs.prfaas_pd.cross_cluster_gbps, **SIMULATED_LINK, **overrides})
     model = PrfaasModel(inputs)
     local = model.local.latency_s
     num_prefill = plan.prfaas.num_prefill
@@ -98,7 +112,9 @@ def make_controller(inputs: PlanInputs, plan: PlanResult, **overrides) -> Bandwi
     def local_prefill_s(t: float) -> float:
         return model.distribution.partial_expect(local, model.distribution.lo, t) / num_prefill
 
-    return BandwidthAwareThreshold(config, model.offloaded_kv_bytes_per_request, local_prefill_s)
+    offload = OffloadModel(model.offloaded_kv_bytes_per_request, min_tokens=plan.prfaas.threshold_tokens,
+                           max_tokens=spec.max_tokens, local_prefill_s=local_prefill_s, headroom=headroom)
+    return CongestionAwareThreshold(config, offload)
 
 
 def _topology(inputs: PlanInputs, num_prfaas: int, prfaas_profile: str | None, num_local: int,

@@ -96,6 +96,16 @@ def test_adaptive_keeps_p90_ttft_below_static_when_the_link_drops(case, seed):
     assert adaptive["offloaded_fraction"] < static["offloaded_fraction"]
 
 
+@pytest.mark.parametrize("arrivals", ["onoff", "mmpp"])
+def test_adaptive_is_no_worse_than_static_under_bursts(case, arrivals):
+    # Bursts overload both prefill clusters at once: the controller must not move the backlog onto
+    # local prefill (its queue signal counts only while the PrfaaS queue is the deeper one).
+    static = run(case, "static", 0.85, 20_000, arrivals=arrivals).summary()
+    adaptive = run(case, "adaptive", 0.85, 20_000, arrivals=arrivals).summary()
+    assert adaptive["ttft_s"]["p90"] <= 1.05 * static["ttft_s"]["p90"]
+    assert adaptive["throughput"] >= 0.99 * static["throughput"]
+
+
 def test_adaptive_matches_static_when_the_link_has_room(case):
     static = run(case, "static", 0.8, 5_000).summary()
     adaptive = run(case, "adaptive", 0.8, 5_000).summary()
@@ -179,6 +189,7 @@ def test_simulate_cli_json():
     (("--requests", "0"), "--requests: must be at least 1"),
     (("--rate", "-1"), "--rate: must be positive"),
     (("--bandwidth-trace", "0:fast"), "bandwidth trace: expected numbers"),
+    (("--reoptimize-interval", "0"), "--reoptimize-interval: must be positive"),
 ])
 def test_simulate_cli_rejects_bad_arguments(args, message):
     result = run_cli(*args)

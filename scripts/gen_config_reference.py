@@ -51,6 +51,8 @@ def default_text(field: dataclasses.Field) -> str:
     value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
     if value is None:
         return "`null`"
+    if dataclasses.is_dataclass(value):
+        return "see below"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, (tuple, list)):

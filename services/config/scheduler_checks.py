@@ -10,6 +10,8 @@ def check_scheduler(config) -> None:
     _check_admission(config)
     _check_qos_classes(config)
     _check_adaptive(config)
+    _check_placement(config)
+    _check_role_flips(config.role_flips)
 
 
 def _check_admission(config) -> None:
@@ -64,6 +66,35 @@ def _check_adaptive(config) -> None:
     if ceiling is not None and ceiling < config.offload_threshold_tokens:
         raise ConfigError(f"scheduler.max_offload_threshold_tokens: {ceiling} is below "
                           f"offload_threshold_tokens ({config.offload_threshold_tokens})")
+
+
+def _check_placement(config) -> None:
+    _at_least(config.cache_block_size, 1, "scheduler.cache_block_size")
+    if not config.cache_kv_groups:
+        raise ConfigError("scheduler.cache_kv_groups: must list at least one group")
+    _at_least(config.cache_lookup_timeout_ms, 0, "scheduler.cache_lookup_timeout_ms")
+    _fraction(config.kv_high_watermark, "scheduler.kv_high_watermark")
+    _at_least(config.worker_backoff_s, 0, "scheduler.worker_backoff_s")
+    _at_least(config.max_worker_backoff_s, config.worker_backoff_s, "scheduler.max_worker_backoff_s")
+    _at_least(config.decode_kv_capacity_tokens, 0, "scheduler.decode_kv_capacity_tokens")
+    _fraction(config.decode_kv_limit, "scheduler.decode_kv_limit")
+
+
+def _check_role_flips(flips) -> None:
+    for key in ("min_dwell_s", "sustain_s", "max_drain_s"):
+        _at_least(getattr(flips, key), 0, f"scheduler.role_flips.{key}")
+    if not 0 <= flips.prefill_queue_low < flips.prefill_queue_high:
+        raise ConfigError("scheduler.role_flips.prefill_queue_low: must be at least 0 and below "
+                          f"prefill_queue_high ({flips.prefill_queue_high})")
+    if not 0 <= flips.decode_utilization_low < flips.decode_utilization_high <= 1:
+        raise ConfigError("scheduler.role_flips.decode_utilization_low: need 0 <= decode_utilization_low < "
+                          "decode_utilization_high <= 1")
+    _at_least(flips.min_workers_per_role, 1, "scheduler.role_flips.min_workers_per_role")
+
+
+def _fraction(value, key: str) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"{key}: {value} is not within (0, 1]")
 
 
 def _at_least(value, low, key: str) -> None:

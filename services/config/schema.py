@@ -91,6 +91,26 @@ class QosClassConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RoleFlipsConfig:
+    enabled: bool = _opt(
+        False, "Flip local PD workers between `prefill` (PD-P) and `decode` (PD-D) when one stage binds. Only "
+        "`decode_worker`s of the `local` cluster with role `prefill` or `decode` and a `kv_port` flip; the "
+        "router drains a worker (no new work in its old role) before it takes the other role.")
+    min_dwell_s: float = _opt(300.0, "Least time between two flips.")
+    sustain_s: float = _opt(60.0, "How long one stage must bind before a flip starts.")
+    max_drain_s: float = _opt(120.0, "A drain that has not finished after this long is cancelled (the worker "
+                              "keeps its role).")
+    prefill_queue_high: float = _opt(4.0, "Waiting requests per PD-P worker at or above which prefill binds "
+                                     "(when decode utilization is low).")
+    prefill_queue_low: float = _opt(1.0, "Waiting requests per PD-P worker at or below which prefill keeps up.")
+    decode_utilization_high: float = _opt(
+        0.85, "Mean PD-D utilization (max of running / `max_num_seqs` and KV usage) at or above which decode "
+        "binds (when prefill keeps up).")
+    decode_utilization_low: float = _opt(0.5, "Mean PD-D utilization at or below which decode has room.")
+    min_workers_per_role: int = _opt(1, "Workers each role keeps at least.")
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     offload_threshold_tokens: int = _opt(
         1024, "Prompts whose uncached part is longer than this prefill on the PrfaaS cluster."
@@ -128,6 +148,32 @@ class SchedulerConfig:
         20.0, "RTT rise over the lowest RTT seen on a link that counts as congestion.")
     congestion_queue_depth: int = _opt(
         8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion.")
+    cache_block_size: int = _opt(
+        16, "Tokens per KV block in the cache pools' block hashes (must match the engines' block size). Used "
+        "when `cache_pools` are configured: the router then hashes each prompt, asks every cluster's pool for "
+        "its cached prefix and offloads on the uncached (incremental) length.")
+    cache_model_key: str | None = _opt(None, "Model key of cache-pool lookups (names model and KV layout); "
+                                       "null: `model.name`.")
+    cache_kv_groups: tuple[Literal["full", "linear"], ...] = _opt(
+        ("full",), "KV cache groups of the model in group-id order (`full` attention or `linear` attention "
+        "state) for cache-pool lookups; a hybrid model such as tiny-qwen3-next lists its linear groups too.")
+    cache_lookup_timeout_ms: float = _opt(50.0, "Deadline of one cache-pool lookup; a slow or failed pool "
+                                          "counts as nothing cached.")
+    kv_high_watermark: float = _opt(
+        0.9, "Decode workers at or above this KV usage (0..1) get new requests only when no other worker can.")
+    worker_backoff_s: float = _opt(
+        1.0, "Back-off after a worker failed a call: it is skipped this long, doubled per further failure "
+        "(health checks alone do not end it); a successful request resets it.")
+    max_worker_backoff_s: float = _opt(30.0, "Longest back-off of a failing worker.")
+    decode_load_admission: bool = _opt(
+        False, "With `admission_control`: also reject (429, reason `decode_load`) when no decode worker could "
+        "hold the request at its completion: running requests within `engine.max_num_seqs` and predicted KV "
+        "usage (committed prompt + max_tokens of its requests, plus this one's) within `decode_kv_limit`.")
+    decode_kv_capacity_tokens: int = _opt(
+        0, "KV capacity of one decode worker in tokens, for the predicted KV usage; 0: unknown, judge on "
+        "running requests only.")
+    decode_kv_limit: float = _opt(0.95, "Highest predicted KV usage (0..1) at a request's completion.")
+    role_flips: RoleFlipsConfig = _opt(RoleFlipsConfig(), "Long-timescale flips of local PD worker roles.")
 
     def validate(self) -> None:
         from services.config.scheduler_checks import check_scheduler

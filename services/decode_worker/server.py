@@ -52,10 +52,11 @@ def stats_message(engine: Engine, identity: WorkerIdentity) -> pb.WorkerStats:
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
-    """Registers DecodeWorker, and PrefillWorker too for roles that prefill (the local PD-P path)."""
+    """Registers DecodeWorker and PrefillWorker, whatever the configured role: the engine's connector
+    is ``kv_both``, so the router can flip a local PD worker between prefill and decode at run time
+    (``scheduler.role_flips``) without telling the worker; it sends prefills only to prefill roles."""
     from services.prefill_worker.server import PrefillWorkerServicer
 
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity), server)
-    if identity.role in ("prefill", "both"):
-        pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
     return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

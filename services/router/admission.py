@@ -13,6 +13,7 @@ from services.router.errors import ApiError, bad_request, overloaded, unavailabl
 from services.router.metrics import RouterMetrics
 from services.router.workers import WorkerPool
 from services.scheduling.admission import AdmissionSnapshot, PrefillQueue, QosClass, Rejection, admit
+from services.scheduling.decode_load import DecodeLoad
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class AdmissionControl:
         self._max_in_flight = scheduler.max_in_flight_requests
         self._retry_after_s = scheduler.retry_after_s
         self._max_num_seqs = {w.name: config.engine_for(w).max_num_seqs for w in config.workers}
+        self._decode_load = scheduler.decode_load_admission
+        self._decode_kv_capacity_tokens = scheduler.decode_kv_capacity_tokens
+        self._decode_kv_limit = scheduler.decode_kv_limit
         self._pool = pool
         self._queues = queues
         self._threshold_tokens = threshold_tokens
@@ -86,10 +90,12 @@ class AdmissionControl:
         return qos
 
     @contextmanager
-    def admitted(self, request_id: str, qos: QosClass, num_prompt_tokens: int) -> Iterator[None]:
-        """Raises ApiError (429/503) to reject; otherwise counts the request in flight while inside."""
+    def admitted(self, request_id: str, qos: QosClass, num_prompt_tokens: int,
+                 num_output_tokens: int = 0) -> Iterator[None]:
+        """Raises ApiError (429/503) to reject; otherwise counts the request in flight while inside.
+        ``num_output_tokens``: the request's ``max_tokens``, for the decode-load prediction."""
         rejection = admit(qos, self._classes, num_prompt_tokens, self.snapshot(num_prompt_tokens),
-                          self._retry_after_s)
+                          self._retry_after_s, num_output_tokens)
         if rejection is not None:
             self._metrics.rejected.labels(rejection.reason, qos.name).inc()
             logger.debug("request %s: rejected (%s, class %s): %s", request_id, rejection.reason, qos.name,
@@ -111,13 +117,24 @@ class AdmissionControl:
         queue = self._queues.queue(route.path)
         return AdmissionSnapshot(can_serve=True, capacity=self.capacity, num_in_flight=self.num_in_flight,
                                  num_queued_prefill_tokens=queue.num_queued_tokens,
-                                 prefill_tokens_per_s=queue.tokens_per_s)
+                                 prefill_tokens_per_s=queue.tokens_per_s,
+                                 decode_workers=self.decode_loads() if self._decode_load else None,
+                                 decode_kv_limit=self._decode_kv_limit)
+
+    def decode_loads(self) -> tuple[DecodeLoad, ...]:
+        """The usable generating workers as the decode-load check sees them."""
+        loads = []
+        for handle, view in zip(self._pool.handles, self._pool.views()):
+            if view.generates and view.healthy:
+                loads.append(DecodeLoad(handle.name, view.load, self._max_num_seqs[handle.name], view.kv_cache_usage,
+                                        handle.num_committed_tokens, self._decode_kv_capacity_tokens))
+        return tuple(loads)
 
     @property
     def capacity(self) -> int:
         if self._max_in_flight:
             return self._max_in_flight
-        return sum(self._max_num_seqs[h.name] for h in self._pool.handles if h.view().generates and h.healthy)
+        return sum(self._max_num_seqs[v.name] for v in self._pool.views() if v.generates and v.healthy)
 
 
 def _error(rejection: Rejection) -> ApiError:

@@ -116,7 +116,8 @@ class RouterApp:
     def _admitted(self, generate_input: GenerateInput, qos: QosClass | None):
         if self.admission is None:
             return contextlib.nullcontext()
-        return self.admission.admitted(generate_input.request_id, qos, len(generate_input.prompt_token_ids))
+        return self.admission.admitted(generate_input.request_id, qos, len(generate_input.prompt_token_ids),
+                                       generate_input.sampling.max_tokens)
 
     async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:
         prompt_ids = await self.tokenizer.encode(api_request)

@@ -20,7 +20,8 @@ from services.engine.types import GenerateInput, KvTransfer, TokenDelta
 from services.router.admission import PrefillQueues
 from services.router.errors import ApiError, bad_request, unavailable
 from services.router.metrics import RouterMetrics
-from services.router.policy import Route
+from services.router.placement import Placement
+from services.router.policy import PromptCache, Route
 from services.router.workers import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,14 @@ class _PrefillFailed(Exception):
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics,
-                 threshold_tokens: float, queues: PrefillQueues | None = None) -> None:
+                 threshold_tokens: float, queues: PrefillQueues | None = None,
+                 placement: Placement | None = None) -> None:
+        """Without ``placement`` nothing is known to be cached: prompts route on their full length."""
         self._pool = pool
         self._config = config
         self._metrics = metrics
         self._queues = queues
+        self._placement = placement
         self.threshold_tokens = threshold_tokens
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
@@ -53,20 +57,22 @@ class Dispatcher:
         """
         tried: set[str] = set()
         num_tokens = len(request.prompt_token_ids)
+        num_committed = num_tokens + request.sampling.max_tokens
+        cache, block_hashes = await self._prompt_cache(request)
         for _ in range(self._config.max_attempts):
-            route = self._pool.route(num_tokens, self.threshold_tokens, frozenset(tried))
+            route = self._route(request.request_id, cache, block_hashes, frozenset(tried))
             if route is None:
                 break
-            logger.debug("request %s: route %s decode=%s prefill=%s incremental_prompt_tokens=%d threshold=%s",
-                         request.request_id, route.path, route.decode, route.prefill, num_tokens, self.threshold_tokens)
             tried.add(route.decode)
             decode = self._pool.handle(route.decode)
             decode.num_in_flight += 1
+            decode.num_committed_tokens += num_committed
             queued = self._enqueue(route.path, num_tokens)
             try:
                 call, first = await self._start(request, route, decode)
                 if first is None:
                     continue
+                self._pool.mark_reachable(decode)
                 if queued:
                     queued = False
                     self._queues.dequeue(route.path, num_tokens, prefilled=True)
@@ -76,9 +82,26 @@ class Dispatcher:
                 return
             finally:
                 decode.num_in_flight -= 1
+                decode.num_committed_tokens -= num_committed
                 if queued:
                     self._queues.dequeue(route.path, num_tokens, prefilled=False)
         raise unavailable("No worker is available to serve this request; try again later")
+
+    async def _prompt_cache(self, request: GenerateInput) -> tuple[PromptCache, list[bytes]]:
+        if self._placement is None:
+            return PromptCache(len(request.prompt_token_ids)), []
+        return await self._placement.prompt_cache(request.prompt_token_ids)
+
+    def _route(self, request_id: str, cache: PromptCache, block_hashes: list[bytes],
+               exclude: frozenset[str]) -> Route | None:
+        if self._placement is not None:
+            return self._placement.route(request_id, cache, block_hashes, self.threshold_tokens, exclude)
+        route = self._pool.route(cache.num_prompt_tokens, self.threshold_tokens, exclude)
+        if route is not None:
+            logger.debug("request %s: route %s decode=%s prefill=%s incremental_prompt_tokens=%d threshold=%s",
+                         request_id, route.path, route.decode, route.prefill, cache.num_prompt_tokens,
+                         self.threshold_tokens)
+        return route
 
     def _enqueue(self, path: str, num_tokens: int) -> bool:
         if self._queues is None:
@@ -113,7 +136,8 @@ class Dispatcher:
                               kv_target=decode.kv_address, transfer_id=request.request_id),
             timeout=self._config.request_timeout_s)
         prefill_task = asyncio.ensure_future(prefill_call)
-        prefill_task.add_done_callback(lambda task: _log_prefill_outcome(task, request.request_id, prefill.name))
+        prefill.num_in_flight += 1
+        prefill_task.add_done_callback(lambda task: self._prefill_done(task, request.request_id, prefill))
         try:
             first = await self._first(call, decode, request.request_id, prefill_task, prefill)
         except BaseException:
@@ -123,6 +147,17 @@ class Dispatcher:
         if first is None:
             prefill_call.cancel()
         return call, first
+
+    def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle) -> None:
+        prefill.num_in_flight -= 1
+        _log_prefill_outcome(task, request_id, prefill.name)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            self._pool.mark_reachable(prefill)
+        elif isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._pool.mark_unreachable(prefill)
 
     async def _first(self, call, handle: WorkerHandle, request_id: str, prefill_task=None,
                      prefill: WorkerHandle | None = None):

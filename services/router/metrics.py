@@ -42,7 +42,7 @@ class RouterMetrics:
                                 ["qos_class"], registry=r)
         self.rejected = Counter("prfaas_router_rejected_requests_total",
                                 "Requests rejected by admission control, by reason (no_worker: 503; capacity, "
-                                "ttft_slo: 429) and QoS class.", ["reason", "qos_class"], registry=r)
+                                "ttft_slo, decode_load: 429) and QoS class.", ["reason", "qos_class"], registry=r)
         self.in_flight = Gauge("prfaas_router_in_flight_requests", "Admitted requests not finished yet.",
                                ["qos_class"], registry=r)
         self.prefill_rate = Gauge("prfaas_router_prefill_rate_tokens_per_second",
@@ -61,6 +61,43 @@ class RouterMetrics:
                                     registry=r)
         self.threshold_changes = Counter("prfaas_scheduler_threshold_changes_total",
                                          "Threshold controller state or level changes.", registry=r)
+        self.decisions = Counter("prfaas_scheduler_decisions_total",
+                                 "Routing decisions by prefill path: local, pd or prfaas (retries decide again).",
+                                 ["path"], registry=r)
+        self.offloaded_fraction = Gauge("prfaas_scheduler_offloaded_fraction",
+                                        "Share of the last 100 routing decisions that offloaded to PrfaaS.",
+                                        registry=r)
+        self.bandwidth_scarce = Gauge("prfaas_scheduler_bandwidth_scarce",
+                                      "1 while the threshold is above its base or offloading is stopped: each "
+                                      "cluster's prefix cache is judged alone.", registry=r)
+        self.cached_prefix_tokens = Counter("prfaas_scheduler_cached_prefix_tokens_total",
+                                            "Usable cached prompt tokens the cache pools reported, by cluster.",
+                                            ["cluster"], registry=r)
+        self.reused_prefix_tokens = Counter("prfaas_scheduler_reused_prefix_tokens_total",
+                                            "Cached prompt tokens the chosen prefill path counted on.", registry=r)
+        self.cross_cluster_transfers = Counter("prfaas_scheduler_cross_cluster_transfers_total",
+                                               "Cross-cluster prefix-cache transfers decided (abundant bandwidth, "
+                                               "better prefix in the other cluster).", ["source", "target"],
+                                               registry=r)
+        self.cross_cluster_transfer_tokens = Counter("prfaas_scheduler_cross_cluster_transfer_tokens_total",
+                                                     "Prompt tokens of the decided cross-cluster cache transfers.",
+                                                     registry=r)
+        self.role_flips = Counter("prfaas_scheduler_role_flips_total",
+                                  "Completed role flips of local PD workers, by new role.", ["role"], registry=r)
+        self.role_flip_cancels = Counter("prfaas_scheduler_role_flip_cancels_total",
+                                         "Role flips given up because the worker did not drain in time.",
+                                         registry=r)
+        self.worker_role = Gauge("prfaas_scheduler_worker_role",
+                                 "1 for a local PD worker's current role (prefill, decode, both).",
+                                 ["worker", "role"], registry=r)
+        self.worker_draining = Gauge("prfaas_scheduler_worker_draining",
+                                     "1 while a worker drains before a role flip.", ["worker"], registry=r)
+        self.binding_stage = Gauge("prfaas_scheduler_binding_stage",
+                                   "1 for the stage the role balancer sees binding (prefill, decode, none).",
+                                   ["stage"], registry=r)
+        self.worker_backoff = Gauge("prfaas_router_worker_backoff_seconds",
+                                    "Current back-off of a worker after failed calls (0: none).", ["worker"],
+                                    registry=r)
         self.kv_link_goodput = Gauge("prfaas_kv_link_goodput_bits_per_second",
                                      "Goodput of the last KV transfer from a worker to a peer.",
                                      ["worker", "peer"], registry=r)

@@ -8,15 +8,19 @@ import signal
 
 from aiohttp import web
 
+from services.cache_pool.index import GlobalCacheIndex
 from services.config import DeploymentConfig
 from services.engine.args import resolve_model_path
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.app import RouterApp
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
+from services.router.role_control import RoleControl
 from services.router.threshold_control import ThresholdControl
 from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
+from services.scheduling.backoff import BackoffConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +35,18 @@ def api_keys(config: DeploymentConfig) -> frozenset[str]:
 async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     metrics = RouterMetrics()
     tokenizer = await asyncio.to_thread(PromptTokenizer, resolve_model_path(config.model))
-    pool = WorkerPool(config.workers, config.router, metrics)
-    queues = PrefillQueues(config.scheduler.prefill_tokens_per_s, metrics)
-    dispatcher = Dispatcher(pool, config.router, metrics, config.scheduler.offload_threshold_tokens, queues)
+    scheduler = config.scheduler
+    pool = WorkerPool(config.workers, config.router, metrics,
+                      BackoffConfig(scheduler.worker_backoff_s, scheduler.max_worker_backoff_s),
+                      flippable=scheduler.role_flips.enabled, kv_high_watermark=scheduler.kv_high_watermark)
+    queues = PrefillQueues(scheduler.prefill_tokens_per_s, metrics)
+    index = GlobalCacheIndex.from_config(config, scheduler.cache_lookup_timeout_ms / 1000) \
+        if config.cache_pools else None
+    placement = Placement(config, pool, metrics, index)
+    dispatcher = Dispatcher(pool, config.router, metrics, scheduler.offload_threshold_tokens, queues, placement)
     _start_threshold_control(config, pool, dispatcher, metrics)
+    if scheduler.role_flips.enabled:
+        pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity).on_poll)
     admission = None
     if config.scheduler.admission_control:
         admission = AdmissionControl(config, pool, queues, lambda: dispatcher.threshold_tokens, metrics)
@@ -61,6 +73,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     finally:
         await runner.cleanup()
         await pool.close()
+        if index is not None:
+            await index.close()
 
 
 def _start_threshold_control(config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher,

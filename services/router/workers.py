@@ -1,8 +1,10 @@
-"""The router's view of its workers: gRPC channels, health and stats polling, in-flight counts."""
+"""The router's view of its workers: gRPC channels, health and stats polling, in-flight counts,
+back-off of failing workers and the run-time role of local PD workers (flipped by ``RoleControl``)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,7 +15,8 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.config import RouterConfig, WorkerConfig
 from services.router.metrics import RouterMetrics
-from services.router.policy import Route, WorkerView, choose_route, pick_least_loaded
+from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
+from services.scheduling.backoff import Backoff, BackoffConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +29,12 @@ class WorkerHandle:
     prefill: pb_grpc.PrefillWorkerStub | None
     stats_stub: object
     health: health_pb2_grpc.HealthStub
+    backoff: Backoff
+    role: str = "both"
+    draining: bool = False
     healthy: bool = False
     num_in_flight: int = 0
+    num_committed_tokens: int = 0
     stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
 
     @property
@@ -38,14 +45,24 @@ class WorkerHandle:
     def kv_address(self) -> str:
         return f"{self.config.host}:{self.config.kv_port}"
 
-    def view(self) -> WorkerView:
+    @property
+    def flippable(self) -> bool:
+        """A local PD worker that can take either single role (both stubs, a KV port to receive on)."""
+        return (self.config.cluster == "local" and self.config.role in ("prefill", "decode")
+                and self.decode is not None and self.prefill is not None and self.config.kv_port is not None)
+
+    def usable(self, now_s: float) -> bool:
+        return self.healthy and self.backoff.available(now_s)
+
+    def view(self, now_s: float) -> WorkerView:
+        """Draining workers take no new work in either role."""
         return WorkerView(
             name=self.name,
-            healthy=self.healthy,
-            role=self.config.role,
+            healthy=self.usable(now_s),
+            role=self.role,
             cluster=self.config.cluster,
-            generates=self.decode is not None and self.config.role != "prefill",
-            prefills=self.prefill is not None,
+            generates=self.decode is not None and self.role != "prefill" and not self.draining,
+            prefills=self.prefill is not None and not self.draining,
             receives_kv=self.config.kv_port is not None,
             num_in_flight=self.num_in_flight,
             num_active=self.stats.num_active_requests,
@@ -56,10 +73,15 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics,
+                 backoff: BackoffConfig = BackoffConfig(), flippable: bool = False,
+                 kv_high_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic) -> None:
+        """``flippable``: role flips are on, so single-role local PD workers get both stubs."""
         self._config = config
         self._metrics = metrics
-        self._handles = {w.name: _connect(w) for w in workers}
+        self._clock = clock
+        self.kv_high_watermark = kv_high_watermark
+        self._handles = {w.name: _connect(w, backoff, flippable) for w in workers}
         self._poller: asyncio.Task | None = None
         self.on_poll: list[Callable[[], None]] = []
 
@@ -77,23 +99,36 @@ class WorkerPool:
     def handles(self) -> tuple[WorkerHandle, ...]:
         return tuple(self._handles.values())
 
-    def route(self, incremental_prefill_tokens: int, threshold_tokens: int,
-              exclude: frozenset[str] = frozenset()) -> Route | None:
-        views = tuple(h.view() for h in self._handles.values())
-        return choose_route(views, incremental_prefill_tokens, threshold_tokens, exclude)
+    def views(self) -> tuple[WorkerView, ...]:
+        now_s = self._clock()
+        return tuple(h.view(now_s) for h in self._handles.values())
+
+    def route(self, incremental_prefill_tokens: int, threshold_tokens: float, exclude: frozenset[str] = frozenset(),
+              *, cache: PromptCache | None = None, scarce: bool = False) -> Route | None:
+        return choose_route(self.views(), incremental_prefill_tokens, threshold_tokens, exclude, cache=cache,
+                            scarce=scarce, kv_high_watermark=self.kv_high_watermark)
 
     def handle(self, name: str) -> WorkerHandle:
         return self._handles[name]
 
     def mark_unreachable(self, handle: WorkerHandle) -> None:
-        """Called when a call failed to reach the worker; the next poll may bring it back."""
+        """Called when a call failed to reach the worker: it is skipped for a back-off (growing with
+        each failure) and until a poll finds it healthy again."""
+        wait = handle.backoff.fail(self._clock())
         if handle.healthy:
-            logger.warning("worker %s unreachable; routing around it", handle.name)
+            logger.warning("worker %s unreachable; routing around it for %.1f s", handle.name, wait)
         handle.healthy = False
         self._metrics.worker_up.labels(handle.name).set(0)
+        self._metrics.worker_backoff.labels(handle.name).set(wait)
+
+    def mark_reachable(self, handle: WorkerHandle) -> None:
+        """Called when a call to the worker succeeded: its back-off starts over."""
+        if handle.backoff.num_failures:
+            handle.backoff.succeed()
+            self._metrics.worker_backoff.labels(handle.name).set(0)
 
     def any_healthy(self) -> bool:
-        return pick_least_loaded(tuple(h.view() for h in self._handles.values())) is not None
+        return pick_least_loaded(self.views()) is not None
 
     async def poll_once(self) -> None:
         """Refresh every worker's health and stats, then run the ``on_poll`` callbacks."""
@@ -126,10 +161,11 @@ class WorkerPool:
         self._metrics.observe_kv_links(handle.name, handle.stats)
 
 
-def _connect(worker: WorkerConfig) -> WorkerHandle:
+def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool) -> WorkerHandle:
     channel = grpc.aio.insecure_channel(f"{worker.host}:{worker.port}")
     decode = pb_grpc.DecodeWorkerStub(channel) if worker.service == "decode_worker" else None
-    prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both")
+    prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both") or (
+        flippable and decode is not None and worker.kv_port is not None)
     prefill = pb_grpc.PrefillWorkerStub(channel) if prefills else None
     return WorkerHandle(
         config=worker,
@@ -138,4 +174,6 @@ def _connect(worker: WorkerConfig) -> WorkerHandle:
         prefill=prefill,
         stats_stub=decode or prefill,
         health=health_pb2_grpc.HealthStub(channel),
+        backoff=Backoff(backoff),
+        role=worker.role,
     )

@@ -5,7 +5,8 @@ caller), shared by the router and the simulator. A QoS class may use the capacit
 reservations of all higher-priority classes, so as load grows the lowest classes are refused first
 and reserved capacity stays free for the classes above. A request is also refused when its
 predicted time to first token (queued prefill tokens on its path plus its own, over the path's
-prefill rate) exceeds its class's SLO.
+prefill rate) exceeds its class's SLO, and (when the snapshot carries the decode workers' loads)
+when no decode worker could hold its KV at its completion (:mod:`services.scheduling.decode_load`).
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-RejectReason = Literal["no_worker", "capacity", "ttft_slo"]
-REJECT_REASONS: tuple[RejectReason, ...] = ("no_worker", "capacity", "ttft_slo")
+from services.scheduling.decode_load import DecodeLoad, decode_overload
+
+RejectReason = Literal["no_worker", "capacity", "ttft_slo", "decode_load"]
+REJECT_REASONS: tuple[RejectReason, ...] = ("no_worker", "capacity", "ttft_slo", "decode_load")
 MAX_RETRY_AFTER_S = 60
 
 
@@ -28,13 +31,16 @@ class QosClass:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSnapshot:
-    """The deployment as one request sees it at arrival (``queued``/``rate``: on the path it would take)."""
+    """The deployment as one request sees it at arrival (``queued``/``rate``: on the path it would take;
+    ``decode_workers``: their loads when the decode-load check is on, else None)."""
 
     can_serve: bool
     capacity: int
     num_in_flight: int
     num_queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float | None = None
+    decode_workers: tuple[DecodeLoad, ...] | None = None
+    decode_kv_limit: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +69,9 @@ def predicted_ttft_s(num_prompt_tokens: int, snapshot: AdmissionSnapshot) -> flo
 
 
 def admit(qos: QosClass, classes: tuple[QosClass, ...], num_prompt_tokens: int, snapshot: AdmissionSnapshot,
-          retry_after_s: int = 1) -> Rejection | None:
-    """None to admit; otherwise why not and when to retry."""
+          retry_after_s: int = 1, num_output_tokens: int = 0) -> Rejection | None:
+    """None to admit; otherwise why not and when to retry. ``num_output_tokens``: the request's
+    ``max_tokens`` (its KV growth until completion)."""
     if not snapshot.can_serve:
         return Rejection("no_worker", retry_after_s, "no worker can serve this request")
     limit = class_limit(qos, classes, snapshot.capacity)
@@ -76,6 +83,11 @@ def admit(qos: QosClass, classes: tuple[QosClass, ...], num_prompt_tokens: int, 
         wait = min(max(math.ceil(ttft - qos.ttft_slo_s), retry_after_s), MAX_RETRY_AFTER_S)
         return Rejection("ttft_slo", wait, f"predicted time to first token {ttft:.2f} s exceeds the "
                          f"{qos.ttft_slo_s:.2f} s SLO of class '{qos.name}'")
+    if snapshot.decode_workers is not None:
+        overload = decode_overload(snapshot.decode_workers, num_prompt_tokens + num_output_tokens,
+                                   snapshot.decode_kv_limit)
+        if overload is not None:
+            return Rejection("decode_load", retry_after_s, overload)
     return None
 
 

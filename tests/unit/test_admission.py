@@ -94,6 +94,9 @@ class FakePool:
     def route(self, num_tokens, threshold_tokens, exclude=frozenset()):
         return self._route
 
+    def views(self):
+        return ()
+
 
 def control(scheduler, route=Route("local", "d0")):
     config = parse_config({"workers": [{"name": "d0", "port": 50071}],

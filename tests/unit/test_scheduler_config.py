@@ -66,3 +66,29 @@ def test_every_scheduler_key_is_documented():
 
     for cls in (SchedulerConfig, QosClassConfig):
         assert all(f.metadata.get("help") for f in fields(cls)), cls.__name__
+
+
+def test_new_scheduler_policies_are_off_by_default():
+    config = scheduler()
+    assert not config.decode_load_admission and not config.role_flips.enabled
+    assert config.cache_kv_groups == ("full",) and config.cache_model_key is None
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"cache_block_size": 0}, "scheduler.cache_block_size: must be at least 1"),
+    ({"cache_kv_groups": []}, "scheduler.cache_kv_groups: must list at least one group"),
+    ({"cache_kv_groups": ["mamba"]}, "scheduler.cache_kv_groups[0]: 'mamba' is not allowed"),
+    ({"kv_high_watermark": 1.5}, "scheduler.kv_high_watermark: 1.5 is not within (0, 1]"),
+    ({"worker_backoff_s": 5, "max_worker_backoff_s": 2}, "scheduler.max_worker_backoff_s: must be at least 5"),
+    ({"decode_kv_limit": 0.0}, "scheduler.decode_kv_limit: 0.0 is not within (0, 1]"),
+    ({"decode_kv_capacity_tokens": -1}, "scheduler.decode_kv_capacity_tokens: must be at least 0"),
+    ({"role_flips": {"enabled": "yes"}}, "scheduler.role_flips.enabled: expected bool"),
+    ({"role_flips": {"min_dwell_s": -1}}, "scheduler.role_flips.min_dwell_s: must be at least 0"),
+    ({"role_flips": {"prefill_queue_low": 5}}, "scheduler.role_flips.prefill_queue_low: must be at least 0 and below"),
+    ({"role_flips": {"decode_utilization_high": 1.2}}, "scheduler.role_flips.decode_utilization_low: need"),
+    ({"role_flips": {"min_workers_per_role": 0}}, "scheduler.role_flips.min_workers_per_role: must be at least 1"),
+])
+def test_new_keys_are_checked(section, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        scheduler(**section)

@@ -1,6 +1,7 @@
 import pytest
 
-from services.router.policy import Route, WorkerView, choose_route, pick_least_loaded
+from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
+from services.scheduling.offload import CacheTransfer
 
 
 def view(name, healthy=True, generate=True, in_flight=0, active=0, running=0, waiting=0, kv=0.0):
@@ -52,3 +53,42 @@ NO_KV = WorkerView("d", True, role="both")
 )
 def test_choose_route(workers, length, expected):
     assert choose_route(workers, length, threshold_tokens=1000) == expected
+
+
+@pytest.mark.parametrize("workers, expected", [
+    ((view("a", kv=0.95), view("b", in_flight=5, kv=0.2)), "b"),      # near-full KV only as a last resort
+    ((view("a", kv=0.95), view("b", kv=0.99)), "a"),
+    ((view("a", kv=0.89, running=1), view("b", kv=0.1, running=1)), "b"),
+    ((view("a", kv=0.95, healthy=False), view("b", kv=0.97)), "b"),
+])
+def test_decode_pick_avoids_nearly_full_kv(workers, expected):
+    assert pick_least_loaded(workers) == expected
+
+
+P1 = WorkerView("p1", True, cluster="prfaas", generates=False, prefills=True)
+P2_BUSY = WorkerView("p2", True, cluster="prfaas", generates=False, prefills=True, num_in_flight=2)
+P3_DOWN = WorkerView("p3", False, cluster="prfaas", generates=False, prefills=True)
+
+
+@pytest.mark.parametrize("cluster_tokens, worker_tokens, scarce, expected", [
+    # cache-affine prefill pick, load as the tie-break
+    ({}, {}, False, Route("prfaas", "d", "p1")),
+    ({}, {"p2": 512}, False, Route("prfaas", "d", "p2")),
+    ({}, {"p1": 512, "p2": 512}, False, Route("prfaas", "d", "p1")),
+    ({}, {"p3": 4096}, False, Route("prfaas", "d", "p1")),          # unhealthy: skipped
+    # the cache pools decide the path
+    ({"local": 4500}, {}, False, Route("local", "d", None, 4500)),
+    ({"prfaas": 4500}, {}, False, Route("local", "d", None, 4500, CacheTransfer("prfaas", "local", 4500))),
+    ({"prfaas": 4500}, {}, True, Route("prfaas", "d", "p1", 4500)),
+    ({"local": 4500, "prfaas": 4900}, {}, True, Route("local", "d", None, 4500)),
+])
+def test_choose_route_with_cached_prefixes(cluster_tokens, worker_tokens, scarce, expected):
+    cache = PromptCache(5000, cluster_tokens, worker_tokens)
+    route = choose_route((DECODE, P1, P2_BUSY, P3_DOWN), 5000, threshold_tokens=1000, cache=cache, scarce=scarce)
+    assert route == expected
+
+
+def test_pd_prefill_pick_is_cache_affine():
+    other = WorkerView("pd-p2", True, role="prefill", generates=False, prefills=True)
+    cache = PromptCache(100, {}, {"pd-p2": 64})
+    assert choose_route((PD_D, PD_P, other), 100, 1000, cache=cache) == Route("pd", "pd-d", "pd-p2")

@@ -1,0 +1,198 @@
+"""The router's scheduling seams: cache-aware placement with metrics, worker back-off, role flips
+and decode-load admission, on a real WorkerPool (channels are never dialled here)."""
+import asyncio
+import logging
+
+import pytest
+
+from services.cache_pool.types import LookupResult
+from services.config import parse_config
+from services.router.admission import AdmissionControl, PrefillQueues
+from services.router.errors import ApiError
+from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
+from services.router.role_control import RoleControl
+from services.router.workers import WorkerPool
+from services.scheduling.backoff import BackoffConfig
+from services.scheduling.offload import CacheTransfer
+
+BLOCK = 16
+WORKERS = [
+    {"name": "d", "service": "decode_worker", "role": "both", "port": 50101, "kv_port": 50102},
+    {"name": "p1", "service": "prefill_worker", "cluster": "prfaas", "port": 50103},
+    {"name": "p2", "service": "prefill_worker", "cluster": "prfaas", "port": 50104},
+]
+POOLS = [{"name": "lp", "cluster": "local", "port": 50110}, {"name": "pp", "cluster": "prfaas", "port": 50111}]
+
+
+class FakeIndex:
+    def __init__(self, cached_tokens):
+        self.cached_tokens = cached_tokens
+        self.queries = []
+
+    async def lookup(self, query):
+        self.queries.append(query)
+        return {c: LookupResult(n // query.block_size, n // query.block_size, query.block_size)
+                for c, n in self.cached_tokens.items()}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def value(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def run_with_pool(raw, body, flippable=False):
+    async def main():
+        config = parse_config(raw)
+        metrics, clock = RouterMetrics(), Clock()
+        pool = WorkerPool(config.workers, config.router, metrics, BackoffConfig(1.0, 8.0), flippable=flippable,
+                          clock=clock)
+        for handle in pool.handles:
+            handle.healthy = True
+        try:
+            return await body(config, pool, metrics, clock)
+        finally:
+            await pool.close()
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("cached, threshold, path, transfer, reused", [
+    ({}, 1024, "prfaas", None, 0),
+    ({"local": 4096}, 1024, "local", None, 4096),
+    ({"prfaas": 4096}, 1024, "local", CacheTransfer("prfaas", "local", 4096), 4096),      # abundant
+    ({"prfaas": 4096}, 2048, "prfaas", None, 4096),                                       # scarce (t > base)
+    ({"local": 4096}, float("inf"), "local", None, 4096),                                 # offloading stopped
+])
+def test_placement_uses_the_cache_pools(cached, threshold, path, transfer, reused, caplog):
+    async def body(config, pool, metrics, clock):
+        index = FakeIndex(cached)
+        placement = Placement(config, pool, metrics, index)
+        cache, hashes = await placement.prompt_cache(list(range(5000)))
+        assert len(index.queries[0].block_hashes) == 5000 // BLOCK and index.queries[0].model == config.model.name
+        with caplog.at_level(logging.DEBUG, logger="services.router.placement"):
+            route = placement.route("req-1", cache, hashes, threshold)
+        assert (route.path, route.transfer, route.num_cached_tokens) == (path, transfer, reused)
+        assert value(metrics, "prfaas_scheduler_decisions_total", path=path) == 1
+        assert value(metrics, "prfaas_scheduler_offloaded_fraction") == (1.0 if path == "prfaas" else 0.0)
+        assert value(metrics, "prfaas_scheduler_cross_cluster_transfers_total", source="prfaas",
+                     target="local") == (1 if transfer else 0)
+        line = next(r.getMessage() for r in caplog.records if "req-1: route" in r.getMessage())
+        assert f"cached_local={cached.get('local', 0)} cached_prfaas={cached.get('prfaas', 0)}" in line
+    run_with_pool({"workers": WORKERS, "cache_pools": POOLS}, body)
+
+
+def test_without_pools_the_prompt_length_decides_and_prefills_are_cache_affine():
+    async def body(config, pool, metrics, clock):
+        placement = Placement(config, pool, metrics)
+        pool.handle("p1").num_in_flight = 1
+        first = placement.route("a", *await placement.prompt_cache(list(range(3000))), 1024)
+        pool.handle("p2").num_in_flight = 5
+        again = placement.route("b", *await placement.prompt_cache(list(range(3000)) + [7] * 100), 1024)
+        short = placement.route("c", *await placement.prompt_cache(list(range(1000))), 1024)
+        return first, again, short
+    first, again, short = run_with_pool({"workers": WORKERS}, body)
+    assert (first.path, first.prefill) == ("prfaas", "p2")
+    assert (again.path, again.prefill) == ("prfaas", "p2")    # its prefix is there, despite the load
+    assert short.path == "local" and short.num_cached_tokens == 0
+
+
+def test_a_failing_worker_is_skipped_for_a_growing_backoff():
+    async def body(config, pool, metrics, clock):
+        decode = pool.handle("d")
+        pool.mark_unreachable(decode)
+        decode.healthy = True                       # the next poll finds it healthy again...
+        skipped = pool.route(10, 1024) is None      # ...but the back-off still holds
+        clock.now = 1.0
+        back = pool.route(10, 1024) is not None
+        pool.mark_unreachable(decode)
+        decode.healthy = True
+        clock.now = 2.5
+        still_skipped = pool.route(10, 1024) is None
+        backoff = value(metrics, "prfaas_router_worker_backoff_seconds", worker="d")
+        pool.mark_reachable(decode)
+        return skipped, back, still_skipped, backoff, pool.route(10, 1024) is not None
+    assert run_with_pool({"workers": WORKERS}, body) == (True, True, True, 2.0, True)
+
+
+PD = [
+    {"name": "pd-p", "service": "decode_worker", "role": "prefill", "port": 50121, "kv_port": 50122},
+    {"name": "pd-d1", "service": "decode_worker", "role": "decode", "port": 50123, "kv_port": 50124},
+    {"name": "pd-d2", "service": "decode_worker", "role": "decode", "port": 50125, "kv_port": 50126},
+]
+FLIPS = {"enabled": True, "min_dwell_s": 100, "sustain_s": 5, "max_drain_s": 60}
+
+
+def test_role_control_drains_then_flips_a_decode_worker_to_prefill():
+    async def body(config, pool, metrics, clock):
+        control = RoleControl(config, pool, metrics, clock=clock)
+        pool.handle("pd-p").stats.num_waiting_requests = 10
+        pool.handle("pd-d1").num_in_flight = 1
+        pool.handle("pd-d2").num_in_flight = 2
+        control.on_poll()
+        clock.now = 5.0
+        control.on_poll()
+        draining = pool.handle("pd-d1").draining
+        routes = {pool.route(10, 1024).decode for _ in range(3)}
+        clock.now = 6.0
+        control.on_poll()                           # still one request in flight
+        pool.handle("pd-d1").num_in_flight = 0
+        clock.now = 7.0
+        control.on_poll()
+        return draining, routes, pool.handle("pd-d1").role, pool.route(10, 1024)
+    draining, routes, role, route = run_with_pool(
+        {"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True)
+    assert draining and routes == {"pd-d2"}
+    assert role == "prefill"
+    assert route.path == "pd" and route.decode == "pd-d2" and route.prefill in ("pd-p", "pd-d1")
+
+
+def test_role_flip_metrics():
+    async def body(config, pool, metrics, clock):
+        control = RoleControl(config, pool, metrics, clock=clock)
+        pool.handle("pd-p").stats.num_waiting_requests = 10
+        for now in (0.0, 5.0, 6.0):
+            clock.now = now
+            control.on_poll()
+        return metrics
+    metrics = run_with_pool({"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True)
+    assert value(metrics, "prfaas_scheduler_role_flips_total", role="prefill") == 1
+    assert value(metrics, "prfaas_scheduler_binding_stage", stage="prefill") == 1
+    flipped = [w for w in ("pd-d1", "pd-d2") if value(metrics, "prfaas_scheduler_worker_role", worker=w,
+                                                      role="prefill") == 1]
+    assert len(flipped) == 1
+
+
+def test_workers_without_a_kv_port_do_not_flip():
+    workers = [{**PD[0], "kv_port": None}, PD[1]]
+
+    async def body(config, pool, metrics, clock):
+        return pool.handle("pd-p").flippable, pool.handle("pd-d1").flippable
+    assert run_with_pool({"workers": workers}, body, flippable=True) == (False, True)
+
+
+def test_admission_rejects_on_predicted_decode_load():
+    scheduler = {"admission_control": True, "decode_load_admission": True, "decode_kv_capacity_tokens": 10_000,
+                 "decode_kv_limit": 0.9, "retry_after_s": 3}
+
+    async def body(config, pool, metrics, clock):
+        queues = PrefillQueues({}, metrics, clock=clock)
+        admission = AdmissionControl(config, pool, queues, lambda: 1024, metrics)
+        qos = admission.qos_class(None, None)
+        with admission.admitted("ok", qos, 4000, 2000):
+            pass
+        pool.handle("d").num_committed_tokens = 6000
+        with pytest.raises(ApiError) as excinfo:
+            with admission.admitted("too-big", qos, 4000, 2000):
+                pass
+        return excinfo.value, value(metrics, "prfaas_router_rejected_requests_total", reason="decode_load",
+                                    qos_class="default")
+    error, rejected = run_with_pool({"workers": WORKERS, "scheduler": scheduler}, body)
+    assert (error.status, error.code, error.headers, rejected) == (429, "decode_load", {"Retry-After": "3"}, 1)
+    assert error.body()["error"]["type"] == "rate_limit_error"

@@ -2,6 +2,6 @@
 
 ``pool.CachePool`` is the plain core (memory tier ``memory.py``, SSD tier ``ssd.py``, usable-prefix
 rule ``usable.py``); ``server.py`` serves it over gRPC (proto/prfaas/v1/cache_pool.proto),
-``client.py`` and ``index.GlobalCacheIndex`` query it, ``hashing.py`` computes vLLM-compatible
-block hashes.
+``client.py`` and ``index.GlobalCacheIndex`` query it, ``hashing.py`` computes the chained prefix
+block hashes that key it (xxh3 by default, vLLM's sha256 chain on request).
 """

@@ -21,8 +21,9 @@ def lookup_query_from_proto(request: pb.LookupRequest) -> LookupQuery:
     groups = tuple(_group_from_proto(g, i) for i, g in enumerate(request.groups))
     if len({g.group_id for g in groups}) != len(groups):
         raise ValueError("groups: a group_id is listed twice")
-    _check_hashes(request.block_hashes, "block_hashes")
-    return LookupQuery(request.model, request.block_size, tuple(request.block_hashes), groups)
+    block_hashes = tuple(request.block_hashes)
+    _check_hashes(block_hashes, "block_hashes")
+    return LookupQuery(request.model, request.block_size, block_hashes, groups)
 
 
 def lookup_query_to_proto(query: LookupQuery) -> pb.LookupRequest:
@@ -51,8 +52,11 @@ def blocks_from_proto(blocks) -> list[Block]:
     return result
 
 
-def blocks_to_proto(blocks: list[Block]) -> list[pb.CacheBlock]:
-    return [pb.CacheBlock(group_id=b.group_id, block_hash=b.block_hash, data=b.data) for b in blocks]
+def add_blocks(repeated, blocks: list[Block]) -> None:
+    """Append blocks to a message's ``repeated CacheBlock`` field in place: building the messages
+    first and passing them to a constructor copies every block's bytes twice."""
+    for b in blocks:
+        repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=b.data)
 
 
 def check_put(request: pb.PutRequest) -> None:
@@ -94,5 +98,5 @@ def _check_model(model: str) -> None:
 
 
 def _check_hashes(hashes, field: str) -> None:
-    if any(not h for h in hashes):
+    if not all(hashes):
         raise ValueError(f"{field}: empty hash")

@@ -70,7 +70,9 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
                     blocks = self._pool.get(request.model, refs)
         except BlockMissingError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
-        return pb.GetResponse(blocks=convert.blocks_to_proto(blocks))
+        response = pb.GetResponse()
+        convert.add_blocks(response.blocks, blocks)
+        return response
 
     def GetStats(self, request: pb.CachePoolStatsRequest, context) -> pb.CachePoolStats:
         return convert.stats_to_proto(self.snapshot(), self._identity.name, self._identity.cluster,

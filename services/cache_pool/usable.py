@@ -22,11 +22,19 @@ def usable_prefix(query: LookupQuery, contains: Contains) -> LookupResult:
 
 
 def _full_attention_run(query: LookupQuery, contains: Contains) -> int:
-    group_ids = query.full_group_ids
-    for i, block_hash in enumerate(query.block_hashes):
-        if not all(contains((query.model, g, block_hash)) for g in group_ids):
+    num_blocks = len(query.block_hashes)
+    for group_id in query.full_group_ids:
+        num_blocks = _stored_run(query, group_id, contains, num_blocks)
+    return num_blocks
+
+
+def _stored_run(query: LookupQuery, group_id: int, contains: Contains, limit: int) -> int:
+    """How many of the first ``limit`` blocks the group has stored in a row."""
+    model, block_hashes = query.model, query.block_hashes
+    for i in range(limit):
+        if not contains((model, group_id, block_hashes[i])):
             return i
-    return len(query.block_hashes)
+    return limit
 
 
 def _last_linear_state(query: LookupQuery, contains: Contains, num_blocks: int) -> int:

@@ -149,7 +149,8 @@ class SchedulerConfig:
     congestion_queue_depth: int = _opt(
         8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion.")
     cache_block_size: int = _opt(
-        16, "Tokens per KV block in the cache pools' block hashes (must match the engines' block size). Used "
+        128, "Tokens per KV block in the cache pools' block hashes; must match the engines' block size (vLLM's "
+        "CPU build defaults to 128, its CUDA build to 16; hybrid models use larger blocks). Used "
         "when `cache_pools` are configured: the router then hashes each prompt, asks every cluster's pool for "
         "its cached prefix and offloads on the uncached (incremental) length.")
     cache_model_key: str | None = _opt(None, "Model key of cache-pool lookups (names model and KV layout); "

@@ -1,23 +1,46 @@
 """The cache pool core: prefix matching, the hybrid usable-prefix rule, LRU bytes, transfer blocks."""
 import pytest
+import xxhash
 from support.cache_pool import (
     BLOCK_SIZE, DENSE_GROUPS, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, payload, prompt, query,
 )
 
-from services.cache_pool.hashing import hash_block_tokens, none_hash, prompt_block_hashes
+from services.cache_pool.hashing import (
+    ALGORITHMS, XXH3_NAMESPACE, hash_block_tokens, none_hash, prompt_block_hashes,
+)
 from services.cache_pool.pool import CachePool
 from services.cache_pool.types import Block, BlockMissingError, PoolFullError
 from services.cache_pool.usable import usable_prefix
 
 
-def test_hashes_chain_over_the_whole_prefix():
-    a, b = hashes(prompt(4, shared=2, seed=1)), hashes(prompt(4, shared=2, seed=2))
-    assert a[:2] == b[:2] and a[2] != b[2]
-    assert a[0] == hash_block_tokens(None, prompt(4, shared=2)[:BLOCK_SIZE])
-    assert len(prompt_block_hashes(list(range(2 * BLOCK_SIZE + 3)), BLOCK_SIZE)) == 2
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_hashes_chain_over_the_whole_prefix(algorithm):
+    a = prompt_block_hashes(prompt(4, shared=2, seed=1), BLOCK_SIZE, algorithm)
+    b = prompt_block_hashes(prompt(4, shared=2, seed=2), BLOCK_SIZE, algorithm)
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
+    assert len(set(a)) == 4
+    assert len(prompt_block_hashes(list(range(2 * BLOCK_SIZE + 3)), BLOCK_SIZE, algorithm)) == 2
+    assert prompt_block_hashes(list(range(BLOCK_SIZE - 1)), BLOCK_SIZE, algorithm) == []
 
 
-def test_hashes_equal_vllms_default_block_hashes():
+def test_xxh3_hash_of_block_i_is_the_hash_of_the_prefix_up_to_its_end():
+    tokens = prompt(3)
+    expected = [xxhash.xxh3_128_digest(XXH3_NAMESPACE + BLOCK_SIZE.to_bytes(4, "little")
+                                       + b"".join(t.to_bytes(4, "little") for t in tokens[:(i + 1) * BLOCK_SIZE]))
+                for i in range(3)]
+    assert hashes(tokens) == expected
+    assert prompt_block_hashes(tokens, 2 * BLOCK_SIZE)[0] != expected[1]  # the block size is part of the key
+    assert prompt_block_hashes(tuple(tokens), BLOCK_SIZE) == expected
+
+
+def test_hash_algorithm_and_token_range_are_checked():
+    with pytest.raises(ValueError, match="allowed: xxh3, vllm-sha256"):
+        prompt_block_hashes(prompt(1), BLOCK_SIZE, "md5")
+    with pytest.raises(OverflowError):
+        prompt_block_hashes([-1] * BLOCK_SIZE, BLOCK_SIZE)
+
+
+def test_vllm_sha256_hashes_equal_vllms_default_block_hashes():
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
 
@@ -28,7 +51,8 @@ def test_hashes_equal_vllms_default_block_hashes():
         parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[start:start + BLOCK_SIZE])
         expected.append(bytes(parent))
     assert kv_cache_utils.NONE_HASH == none_hash()
-    assert hashes(tokens) == expected
+    assert prompt_block_hashes(tokens, BLOCK_SIZE, "vllm-sha256") == expected
+    assert expected[0] == hash_block_tokens(None, tokens[:BLOCK_SIZE])
 
 
 def test_dense_prefix_match_is_partial():

@@ -16,7 +16,7 @@ from services.router.workers import WorkerPool
 from services.scheduling.backoff import BackoffConfig
 from services.scheduling.offload import CacheTransfer
 
-BLOCK = 16
+BLOCK = 128
 WORKERS = [
     {"name": "d", "service": "decode_worker", "role": "both", "port": 50101, "kv_port": 50102},
     {"name": "p1", "service": "prefill_worker", "cluster": "prfaas", "port": 50103},

@@ -8,11 +8,16 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests"):  # the project, and tests/support (the netns link)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from support.netns import VethLink, available, veth_link  # noqa: E402
 
 
 def free_port() -> int:
@@ -111,3 +116,14 @@ def wait_transfer(receiver: subprocess.Popen, transfer_id: str) -> float:
             if kind != "TransferDone":
                 raise RuntimeError(f"transfer {tid} failed at the receiver")
             return float(at)
+
+
+@contextmanager
+def wan_link(rate_mbit: int, loss_percent: int = 0, buffer_ms: int = 20) -> Iterator[VethLink]:
+    """A veth pair into a namespace made here; traffic host → namespace crosses the cap (and the loss)."""
+    if (reason := available()) is not None:
+        raise SystemExit(f"this benchmark {reason}")
+    with veth_link(rate_mbit=rate_mbit, side="host", buffer_ms=buffer_ms) as link:
+        if loss_percent:
+            link.drop_percent(loss_percent)
+        yield link

@@ -18,14 +18,13 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the project on sys.path)
-from _common import start_receiver, verdict, wait_transfer
-from _netns import NS_ADDR, set_rate, wan_link
+from _common import start_receiver, verdict, wait_transfer, wan_link
 
 SECRET = "bench-secret"
 PORT = 47112
 BUDGET = 512
 
-def run_mode(layerwise: bool, prompt: list[int], receiver, model: str) -> tuple[float, float]:
+def run_mode(layerwise: bool, prompt: list[int], receiver, model: str, peer: str) -> tuple[float, float]:
     """(prefill seconds, exposed transfer seconds) for one engine in one mode."""
     import uuid
 
@@ -44,7 +43,6 @@ def run_mode(layerwise: bool, prompt: list[int], receiver, model: str) -> tuple[
                                                   kv_role="kv_both",
                                                   kv_connector_extra_config=settings.to_extra_config()))
     try:
-        peer = f"{NS_ADDR}:{PORT}"
         run_id = uuid.uuid4().hex[:8]  # the receiver ignores a transfer id it has seen finish
         warm = produce(f"warm-{run_id}", peer)
         llm.generate([TokensPrompt(prompt_token_ids=prompt[:BUDGET])],
@@ -86,17 +84,18 @@ def main() -> int:
     model = str(smollm2.prepare())
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-    with wan_link(10000, 0) as ns:
-        receiver, _ = start_receiver(SECRET, NS_ADDR, PORT, netns=ns)
+    with wan_link(10000, 0) as link:
+        receiver, _ = start_receiver(SECRET, link.ns_addr, PORT, netns=link.ns)
+        peer = f"{link.ns_addr}:{PORT}"
         try:
-            prefill_s, _ = run_mode(False, prompt, receiver, model)
+            prefill_s, _ = run_mode(False, prompt, receiver, model, peer)
             rate_mbit = max(10, round(kv_bits(model, len(prompt)) / (args.transfer_fraction * prefill_s) / 1e6))
-            set_rate(ns, rate_mbit)
+            link.set_rate(rate_mbit)
             print(f"prefill {prefill_s:.2f} s uncapped: link capped at {rate_mbit} Mbit/s", file=sys.stderr)
-            after_prefill, exposed_after = run_mode(False, prompt, receiver, model)
+            after_prefill, exposed_after = run_mode(False, prompt, receiver, model, peer)
             print(f"send after prefill: prefill {after_prefill:.2f} s, exposed transfer {exposed_after:.3f} s",
                   file=sys.stderr)
-            layerwise, exposed_layerwise = run_mode(True, prompt, receiver, model)
+            layerwise, exposed_layerwise = run_mode(True, prompt, receiver, model, peer)
             print(f"layer-wise:         prefill {layerwise:.2f} s, exposed transfer {exposed_layerwise:.3f} s",
                   file=sys.stderr)
         finally:

@@ -13,8 +13,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the project on sys.path)
-from _common import median, start_receiver, verdict, wait_transfer
-from _netns import NS_ADDR, wan_link
+from _common import median, start_receiver, verdict, wait_transfer, wan_link
 
 from services.kv_transport import KVTransport, TransportSettings
 
@@ -22,9 +21,9 @@ SECRET = "bench-secret"
 NUM_LAYERS = 64
 PORT = 47111
 
-def stream(receiver, connections: int, layer_bytes: int, round_id: int) -> float:
+def stream(receiver, address: str, connections: int, layer_bytes: int, round_id: int) -> float:
     tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=connections))
-    peer = f"{NS_ADDR}:{PORT}"
+    peer = f"{address}:{PORT}"
     payload = memoryview(bytes(layer_bytes))
     try:
         start = time.time()
@@ -51,12 +50,13 @@ def main() -> int:
     args = parser.parse_args()
     cap_gbps = args.rate_mbit / 1000
     layer_bytes = args.megabytes * (1 << 20) // NUM_LAYERS
-    with wan_link(args.rate_mbit, args.loss, args.buffer_ms) as ns:
-        receiver, _ = start_receiver(SECRET, NS_ADDR, PORT, netns=ns)
+    with wan_link(args.rate_mbit, args.loss, args.buffer_ms) as link:
+        receiver, _ = start_receiver(SECRET, link.ns_addr, PORT, netns=link.ns)
         try:
             print(f"link: {args.rate_mbit} Mbit/s cap, {args.loss}% random loss; {args.megabytes} MiB per "
                   f"transfer", file=sys.stderr)
-            results = {n: median([stream(receiver, n, layer_bytes, r) for r in range(args.rounds)]) for n in (1, 8)}
+            results = {n: median([stream(receiver, link.ns_addr, n, layer_bytes, r) for r in range(args.rounds)])
+                       for n in (1, 8)}
         finally:
             receiver.kill()
     one, eight = results[1] / cap_gbps, results[8] / cap_gbps

@@ -20,6 +20,9 @@ from services.scheduling.congestion import (STATES, CongestionAwareThreshold, Co
 logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 1448
+# A prefill worker's link telemetry rides on its engine's forward passes (a snapshot at most once a
+# second, none while the engine idles): figures older than this describe no current traffic.
+STALE_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,38 +32,67 @@ class _Totals:
     transfers_failed: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """One worker's link between its last two distinct telemetry snapshots, seen at ``at_s``."""
+
+    totals: _Totals
+    at_s: float
+    num_bytes: int = 0
+    num_retransmits: int = 0
+    elapsed_s: float = 0.0
+    rtt_increase_ms: float = 0.0
+
+
 class LinkSignals:
-    """Differences successive ``WorkerStats`` of the PrfaaS prefill workers into link samples. A worker
-    is usable when it is healthy and none of its transfers failed since the previous poll."""
+    """Differences successive ``WorkerStats`` of the PrfaaS prefill workers into link samples. Rates
+    come from distinct snapshots (a poll that finds the same snapshot again repeats the previous
+    figures, up to ``STALE_S``, then reads as an idle link), so a poll interval shorter than the
+    snapshot interval does not alias into 0/2x rates, and a stale RTT does not read as congestion.
+    A worker is usable when it is healthy and none of its transfers failed since the previous poll."""
 
     def __init__(self) -> None:
         self._previous: dict[str, _Totals] = {}
-        self._previous_s: float | None = None
+        self._readings: dict[str, _Reading] = {}
         self._min_rtt_ms: dict[tuple[str, str], float] = {}
 
     def sample(self, now_s: float, workers: list[tuple[str, bool, pb.WorkerStats]]) -> LinkSample:
-        elapsed = now_s - self._previous_s if self._previous_s is not None else 0.0
-        self._previous_s = now_s
         num_bytes = num_retransmits = num_queued = num_usable = 0
-        rtt_increase = 0.0
+        egress_bps = rtt_increase = 0.0
         for name, healthy, stats in workers:
             totals = _totals(stats)
             previous = self._previous.get(name, totals)
             self._previous[name] = totals
-            num_bytes += max(totals.bytes_sent - previous.bytes_sent, 0)
-            num_retransmits += max(totals.retransmits - previous.retransmits, 0)
-            rtt_increase = max(rtt_increase, self._rtt_increase(name, stats))
+            reading = self._read(name, now_s, totals, stats)
+            if now_s - reading.at_s <= STALE_S and reading.elapsed_s > 0:
+                num_bytes += reading.num_bytes
+                num_retransmits += reading.num_retransmits
+                egress_bps += reading.num_bytes * 8 / reading.elapsed_s
+                rtt_increase = max(rtt_increase, reading.rtt_increase_ms)
             if healthy:
                 num_queued += stats.num_waiting_requests
                 num_usable += totals.transfers_failed <= previous.transfers_failed
         return LinkSample(
             now_s=now_s,
-            egress_gbps=num_bytes * 8 / elapsed / 1e9 if elapsed > 0 else 0.0,
+            egress_gbps=egress_bps / 1e9,
             retransmit_ratio=num_retransmits / max(num_bytes / SEGMENT_BYTES, 1.0),
             rtt_increase_ms=rtt_increase,
             num_queued=num_queued,
             num_usable_workers=num_usable,
         )
+
+    def _read(self, worker: str, now_s: float, totals: _Totals, stats: pb.WorkerStats) -> _Reading:
+        last = self._readings.get(worker)
+        if last is not None and totals == last.totals:
+            return last
+        rtt_increase = self._rtt_increase(worker, stats)
+        reading = _Reading(totals, now_s)
+        if last is not None:
+            reading = _Reading(totals, now_s, num_bytes=max(totals.bytes_sent - last.totals.bytes_sent, 0),
+                               num_retransmits=max(totals.retransmits - last.totals.retransmits, 0),
+                               elapsed_s=min(now_s - last.at_s, STALE_S), rtt_increase_ms=rtt_increase)
+        self._readings[worker] = reading
+        return reading
 
     def _rtt_increase(self, worker: str, stats: pb.WorkerStats) -> float:
         increase = 0.0

@@ -39,11 +39,13 @@ def deployment_config(workers: list[dict], model_path: str = "builtin:smollm2-13
 
 @dataclass
 class Deployment:
-    """Services started with the same supervisor `prfaas up` uses, one process group each."""
+    """Services started with the same supervisor `prfaas up` uses, one process group each.
+    ``prefixes``: per service name, words put before its command line (e.g. ``ip netns exec NS``)."""
 
     config: dict
     directory: Path
     children: list = field(default_factory=list)
+    prefixes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -60,6 +62,7 @@ class Deployment:
         parsed = load_config(self.config_path)
         self.children = supervisor.children_for(parsed, self.config_path, self.directory)
         for child in self.children:
+            child.argv = self.prefixes.get(child.name, []) + child.argv
             child.start()
         self._wait_healthy(parsed)
         return self
@@ -77,7 +80,7 @@ class Deployment:
 
     def worker_stats(self, name: str) -> pb.WorkerStats:
         worker = next(w for w in self.config["workers"] if w["name"] == name)
-        with grpc.insecure_channel(f"127.0.0.1:{worker['port']}") as channel:
+        with grpc.insecure_channel(f"{worker.get('host', '127.0.0.1')}:{worker['port']}") as channel:
             stub_class = pb_grpc.DecodeWorkerStub if worker.get("service", "decode_worker") == "decode_worker" \
                 else pb_grpc.PrefillWorkerStub
             return stub_class(channel).GetStats(pb.StatsRequest(), timeout=5)

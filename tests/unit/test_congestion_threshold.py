@@ -147,3 +147,16 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
                WorkerView("d0", True, receives_kv=True))
     assert choose_route(workers, 100_000, dispatcher.threshold_tokens).path == "local"
     assert choose_route(workers, 100_000, 1024).path == "prfaas"
+
+
+def test_link_signals_rate_over_distinct_snapshots_and_forget_stale_ones():
+    """Snapshots come once a second (with the engine's forwards); polls twice as often must not
+    read 0 and 2x the rate, and a snapshot left over from the last busy second is no congestion."""
+    signals = LinkSignals()
+    signals.sample(0.0, [("p0", True, stats())])
+    readings = [signals.sample(0.5 * i, [("p0", True, stats(bytes_sent=125_000_000 * (i // 2), rtt_ms=31.0))])
+                for i in range(1, 7)]
+    assert [r.egress_gbps for r in readings[1:]] == pytest.approx([1.0] * 5)
+    assert all(r.rtt_increase_ms == pytest.approx(30.0) for r in readings[1:])
+    idle = signals.sample(10.0, [("p0", True, stats(bytes_sent=375_000_000, rtt_ms=31.0))])
+    assert idle.egress_gbps == idle.rtt_increase_ms == 0

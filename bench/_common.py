@@ -18,6 +18,7 @@ for _path in (ROOT, ROOT / "tests"):  # the project, and tests/support (the netn
         sys.path.insert(0, str(_path))
 
 from support.netns import VethLink, available, veth_link  # noqa: E402
+from support.wan import wan_path  # noqa: E402
 
 
 def free_port() -> int:
@@ -119,11 +120,17 @@ def wait_transfer(receiver: subprocess.Popen, transfer_id: str) -> float:
 
 
 @contextmanager
-def wan_link(rate_mbit: int, loss_percent: int = 0, buffer_ms: int = 20) -> Iterator[VethLink]:
-    """A veth pair into a namespace made here; traffic host → namespace crosses the cap (and the loss)."""
+def wan_link(rate_mbit: int, loss_percent: float = 0, buffer_ms: int = 20, rtt_ms: float = 0) -> Iterator[VethLink]:
+    """A path into a namespace made here; traffic host → namespace crosses the cap (and the loss).
+    ``rtt_ms`` 0: a veth pair (a round trip of tens of microseconds); otherwise a delay line between
+    two TUN devices adds that round trip (``tests/support/wan.py``)."""
     if (reason := available()) is not None:
         raise SystemExit(f"this benchmark {reason}")
+    if rtt_ms > 0:
+        with wan_path(rate_mbit, rtt_ms, loss_percent, buffer_ms) as link:
+            yield link
+        return
     with veth_link(rate_mbit=rate_mbit, side="host", buffer_ms=buffer_ms) as link:
         if loss_percent:
-            link.drop_percent(loss_percent)
+            link.drop_percent(int(loss_percent))
         yield link

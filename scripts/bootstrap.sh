@@ -42,7 +42,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 missing=()
-for tool in iperf3:iperf3 nft:nftables ip:iproute2 tc:iproute2; do
+for tool in iperf3:iperf3 nft:nftables ip:iproute2 tc:iproute2 gcc:gcc; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

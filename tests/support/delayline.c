@@ -1,0 +1,123 @@
+/* A delay line between two TUN devices, for WAN-like links on one machine (the kernel here has no
+ * netem and no fq, so propagation delay cannot be added in tc).
+ *
+ * Every packet read from one device is written to the other after a fixed one-way delay; packets
+ * going from A to B are dropped at random with a given probability. One thread per direction;
+ * each keeps a FIFO of up to SLOTS packets (a full FIFO drops, like a full router queue). The
+ * devices carry no offloads, so packets are MTU-sized and loss is per packet, as on a wire.
+ *
+ *     delayline TUN_A TUN_B ONE_WAY_DELAY_US LOSS_A_TO_B_PERCENT SEED
+ *
+ * prints "ready" once both devices exist (the caller then moves them into namespaces and
+ * configures them) and runs until killed. Built and run by tests/support/wan.py.
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <linux/if_tun.h>
+#include <net/if.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SLOTS 16384
+#define SLOT_BYTES 2048
+
+struct direction {
+    int src, dst;
+    uint64_t delay_ns;
+    double loss;
+    unsigned seed;
+    uint64_t due[SLOTS];
+    int len[SLOTS];
+    unsigned char *data;
+};
+
+static int open_tun(const char *name) {
+    int fd = open("/dev/net/tun", O_RDWR);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    ifr.ifr_flags = IFF_TUN | IFF_NO_PI;
+    strncpy(ifr.ifr_name, name, IFNAMSIZ - 1);
+    if (fd < 0 || ioctl(fd, TUNSETIFF, &ifr) < 0) {
+        perror(name);
+        exit(1);
+    }
+    return fd;
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void *run(void *arg) {
+    struct direction *d = arg;
+    unsigned head = 0, tail = 0; /* packets [head, tail) wait for their due time */
+    for (;;) {
+        int timeout_ms = -1;
+        if (head != tail) {
+            uint64_t now = now_ns(), due = d->due[head % SLOTS];
+            if (due <= now) {
+                (void)!write(d->dst, d->data + (size_t)(head % SLOTS) * SLOT_BYTES, (size_t)d->len[head % SLOTS]);
+                head++;
+                continue;
+            }
+            uint64_t wait = due - now;
+            if (wait < 1000000) { /* under 1 ms: take what has arrived, else sleep precisely */
+                struct pollfd p = {d->src, POLLIN, 0};
+                if (poll(&p, 1, 0) <= 0) {
+                    struct timespec ts = {0, (long)wait};
+                    nanosleep(&ts, NULL);
+                    continue;
+                }
+                timeout_ms = 0;
+            } else {
+                timeout_ms = (int)(wait / 1000000);
+            }
+        }
+        struct pollfd p = {d->src, POLLIN, 0};
+        if (poll(&p, 1, timeout_ms) <= 0)
+            continue;
+        unsigned char *slot = d->data + (size_t)(tail % SLOTS) * SLOT_BYTES;
+        ssize_t n = read(d->src, slot, SLOT_BYTES);
+        if (n <= 0 || tail - head >= SLOTS)
+            continue;
+        if (d->loss > 0 && (double)rand_r(&d->seed) / RAND_MAX < d->loss)
+            continue;
+        d->due[tail % SLOTS] = now_ns() + d->delay_ns;
+        d->len[tail % SLOTS] = (int)n;
+        tail++;
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 6) {
+        fprintf(stderr, "usage: %s TUN_A TUN_B ONE_WAY_DELAY_US LOSS_A_TO_B_PERCENT SEED\n", argv[0]);
+        return 2;
+    }
+    static struct direction ab, ba;
+    ab.src = ba.dst = open_tun(argv[1]);
+    ab.dst = ba.src = open_tun(argv[2]);
+    ab.delay_ns = ba.delay_ns = (uint64_t)atoll(argv[3]) * 1000u;
+    ab.loss = atof(argv[4]) / 100.0;
+    ab.seed = (unsigned)atol(argv[5]);
+    ba.seed = ab.seed + 1;
+    ab.data = malloc((size_t)SLOTS * SLOT_BYTES);
+    ba.data = malloc((size_t)SLOTS * SLOT_BYTES);
+    if (!ab.data || !ba.data)
+        return 1;
+    printf("ready\n");
+    fflush(stdout);
+    pthread_t thread;
+    pthread_create(&thread, NULL, run, &ab);
+    run(&ba);
+    return 0;
+}

@@ -24,13 +24,15 @@ def resolve_model_path(model: ModelConfig) -> Path:
 
 def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
     """Every worker loads the PrfaaS connector: it can produce KV (prefill roles) and, with a
-    ``kv_port``, receive it. A failed receive makes vLLM recompute the prompt locally."""
+    ``kv_port``, receive it. A failed receive makes vLLM recompute the prompt locally. With a cache
+    pool for the worker's cluster, the connector also loads cached prefixes from it and stores
+    what the engine prefills."""
     from vllm.config import KVTransferConfig
 
     from services.kv_connector.settings import ConnectorSettings
 
     settings = ConnectorSettings(listen_host=worker.host, listen_port=worker.kv_port,
-                                 transport=config.transport)
+                                 transport=config.transport, **cache_pool_settings(config, worker))
     return KVTransferConfig(
         kv_connector="PrfaasConnector",
         kv_connector_module_path="services.kv_connector.connector",
@@ -38,6 +40,15 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=settings.to_extra_config(),
     )
+
+
+def cache_pool_settings(config: DeploymentConfig, worker: WorkerConfig) -> dict:
+    """The connector's pool settings: the ``cache_pools`` entry of the worker's cluster, if any."""
+    pool = next((p for p in config.cache_pools if p.cluster == worker.cluster), None)
+    if pool is None:
+        return {}
+    return {"cache_pool_address": f"{pool.host}:{pool.port}",
+            "cache_pool_model": config.scheduler.cache_model_key or config.model.name}
 
 
 def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=None):

@@ -5,6 +5,8 @@ from prfaas.v1 import worker_pb2 as pb
 
 from services.engine.types import EngineStats, GenerateInput, KvTransfer, Sampling, TokenDelta
 
+POOL_COUNTERS = ("pool_tokens_loaded", "pool_tokens_stored", "pool_loads_failed", "pool_stores_failed")
+
 
 def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
     return Sampling(
@@ -97,4 +99,5 @@ def _transport_fields(snapshot: dict) -> dict:
              for p in snapshot.get("peers", ())]
     return {"kv_links": links, "kv_bytes_received": snapshot.get("bytes_received", 0),
             "kv_frames_rejected": snapshot.get("frames_rejected", 0),
-            "kv_connections_refused": snapshot.get("connections_refused", 0)}
+            "kv_connections_refused": snapshot.get("connections_refused", 0),
+            **{f"kv_{key}": snapshot.get(key, 0) for key in POOL_COUNTERS}}

@@ -18,21 +18,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from services.kv_connector.layout import KVLayout
 from services.kv_connector.metadata import PrfaasConnectorMetadata
+from services.kv_connector.pool_scheduler import PoolPlanner
+from services.kv_connector.pool_worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.stats import TransportStats
-from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
 
 
 class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.of(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self.scheduler = PrfaasConnectorScheduler() if role == KVConnectorRole.SCHEDULER else None
-        self.worker = None
+        pool = self.settings.open_pool(kv_cache_config)
+        self.pool_io = pool[0] if pool else None
+        self.scheduler = self.worker = self.pool_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
             self.worker = PrfaasConnectorWorker(self.settings.open_streams, self.settings.recv_idle_timeout_s,
                                                 self.settings.max_early_bytes, self.settings.layerwise)
+            self.pool_worker = PoolWorker(*pool) if pool else None
+        self._exported_pool_counters: dict[str, int] = {}
 
     # Scheduler side (engine-core process) ------------------------------------------------------
 
@@ -64,11 +71,16 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side (worker process, engine thread) -----------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register_kv_caches(KVLayout(self._kv_cache_config, kv_caches))
+        layout = KVLayout(self._kv_cache_config, kv_caches)
+        self.worker.register_kv_caches(layout)
+        if self.pool_worker is not None:
+            self.pool_worker.layout = layout
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.worker.on_metadata(connector_metadata)
+        if self.pool_worker is not None:
+            self.pool_worker.on_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Loads are applied in ``get_transfer_results``, after the forward."""
@@ -81,18 +93,36 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()
+        if self.pool_worker is not None:
+            self.pool_worker.store()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = self.worker.get_transfer_results()
-        return KVConnectorTransferResults(finished_recving=results.finished_recving,
-                                          failed_recving=results.failed_recving)
+        if self.pool_worker is None:
+            return KVConnectorTransferResults(finished_recving=results.finished_recving,
+                                              failed_recving=results.failed_recving)
+        if self.has_connector_metadata() and self._get_connector_metadata().idle:
+            self.pool_worker.wait_for_loads(IDLE_WAIT_S)
+        loaded, failed = self.pool_worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=results.finished_recving | loaded,
+                                          failed_recving=results.failed_recving | failed)
 
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
 
     def get_kv_connector_stats(self) -> TransportStats | None:
-        return self.worker.transport_stats() if self.worker is not None else None
+        """Transport telemetry once per interval; at once when the pool counters changed."""
+        if self.worker is None:
+            return None
+        if self.pool_worker is None:
+            return self.worker.transport_stats()
+        counters = self.pool_worker.counters()
+        stats = self.worker.transport_stats(force=counters != self._exported_pool_counters)
+        if stats is not None:
+            stats.data.update(counters)
+            self._exported_pool_counters = counters
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransportStats:
@@ -101,3 +131,5 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.pool_io is not None:
+            self.pool_io.close()

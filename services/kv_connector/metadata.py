@@ -39,11 +39,43 @@ class RecvSpec:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class PoolLoadSpec:
+    """Load blocks ``[first_block, len(block_hashes))`` of a prompt from the cluster's cache pool into
+    ``block_ids``: full-attention blocks, and each state group's state at the last of those blocks."""
+
+    req_id: str
+    block_ids: BlockIds
+    block_hashes: tuple[bytes, ...]  # of blocks 0..n-1
+    first_block: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes) - self.first_block
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStoreSpec:
+    """This step completed full-attention blocks ``blocks`` (index, hash) of a prompt; with
+    ``state_hash``, the step ended on a block boundary and each state group's state there is stored
+    under that block's hash."""
+
+    req_id: str
+    block_ids: BlockIds
+    blocks: tuple[tuple[int, bytes], ...]
+    state_hash: bytes | None
+    end: int
+
+
 @dataclass
 class PrfaasConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     # Transfers the engine no longer waits for (aborted, or nothing left to load).
     abandoned: list[str] = field(default_factory=list)
+    pool_loads: list[PoolLoadSpec] = field(default_factory=list)
+    pool_stores: list[PoolStoreSpec] = field(default_factory=list)
+    # Requests whose pool load the engine no longer waits for (aborted).
+    pool_abandoned: list[str] = field(default_factory=list)
     # True when this step computes nothing: the engine is only waiting (e.g. for streamed KV).
     idle: bool = False

@@ -3,7 +3,9 @@
 Runs in vLLM's engine-core process; no network here. Producer requests compute ``prompt[:-1]``
 (the last prompt token is dropped and ``max_tokens`` set to 1) and each step's newly computed
 tokens become a ``SendSpec``. Consumer requests report ``N-1`` externally computed tokens, loaded
-asynchronously; the blocks vLLM allocated for them become a ``RecvSpec``.
+asynchronously; the blocks vLLM allocated for them become a ``RecvSpec``. With a cache pool
+(``pool_scheduler.PoolPlanner``), every other request may load a cached prefix from it and stores
+the blocks it computes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.params import TransferParams
+from services.kv_connector.pool_scheduler import PoolPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,8 @@ class _Producing:
 
 
 class PrfaasConnectorScheduler:
-    def __init__(self) -> None:
+    def __init__(self, pool: PoolPlanner | None = None) -> None:
+        self._pool = pool
         self._producing: dict[str, _Producing] = {}
         self._consuming: dict[str, str] = {}  # req_id -> transfer_id, until received or abandoned
         self._allocated: set[str] = set()
@@ -35,23 +39,31 @@ class PrfaasConnectorScheduler:
 
     def on_new_request(self, request: Any) -> None:
         params = TransferParams.of(request.kv_transfer_params)
-        if params is None or params.mode != "produce" or request.num_prompt_tokens < 2:
-            return
-        _truncate_last_prompt_token(request)
-        self._producing[request.request_id] = _Producing(params, request.num_prompt_tokens, [])
-        logger.debug("request %s: producing KV of %d tokens for %s", params.transfer_id,
-                     request.num_prompt_tokens, params.peer)
+        if params is not None and params.mode == "produce" and request.num_prompt_tokens >= 2:
+            _truncate_last_prompt_token(request)
+            self._producing[request.request_id] = _Producing(params, request.num_prompt_tokens, [])
+            logger.debug("request %s: producing KV of %d tokens for %s", params.transfer_id,
+                         request.num_prompt_tokens, params.peer)
+        if self._pool is not None and not _consumes(params):
+            self._pool.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = TransferParams.of(request.kv_transfer_params)
-        if params is None or params.mode != "consume" or request.request_id in self._allocated:
+        if not _consumes(params):
+            count = self._pool.num_matched_tokens(request, num_computed_tokens) if self._pool else 0
+            return count, bool(count)
+        if request.request_id in self._allocated:
             return 0, False
         count = request.num_prompt_tokens - 1 - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = TransferParams.of(request.kv_transfer_params)
-        if params is None or params.mode != "consume" or request.request_id in self._allocated:
+        if not _consumes(params):
+            if self._pool is not None:
+                self._pool.after_alloc(request, blocks, num_external_tokens)
+            return
+        if request.request_id in self._allocated:
             return
         self._allocated.add(request.request_id)
         if num_external_tokens == 0:
@@ -77,17 +89,24 @@ class PrfaasConnectorScheduler:
             if producing := self._producing.get(req_id):
                 _merge_blocks(producing, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
                 self._emit(meta, req_id, producing, cached.num_computed_tokens[i], scheduled[req_id])
+        if self._pool is not None:
+            self._pool.add_to_meta(meta, scheduler_output)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():
             self._consuming.pop(req_id, None)
+        if self._pool is not None:
+            self._pool.on_loads_finished(set(connector_output.finished_recving or ()),
+                                         set(connector_output.failed_recving or ()))
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         """Blocks are always freed at once: sends copy their data, receives write on the engine thread."""
         self._producing.pop(request.request_id, None)
         self._allocated.discard(request.request_id)
         self._consuming.pop(request.request_id, None)
+        if self._pool is not None:
+            self._pool.on_finished(request)
         params = TransferParams.of(request.kv_transfer_params)
         if params is not None and params.mode == "consume":
             self._abandoned.append(params.transfer_id)  # a no-op on the worker once received
@@ -115,6 +134,10 @@ def _merge_blocks(producing: _Producing, new_block_ids, resumed: bool) -> None:
         return
     for group, ids in enumerate(new_block_ids):
         producing.block_ids[group].extend(ids)
+
+
+def _consumes(params: TransferParams | None) -> bool:
+    return params is not None and params.mode == "consume"
 
 
 def _truncate_last_prompt_token(request: Any) -> None:

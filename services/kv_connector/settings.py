@@ -1,7 +1,10 @@
 """Connector settings, passed by the worker through vLLM's ``kv_connector_extra_config``."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +16,10 @@ class ConnectorSettings:
     # (only useful to measure what layer-wise streaming saves: bench/layerwise_overlap.py).
     layerwise: bool = True
     transport: dict = field(default_factory=dict)
+    # The cluster's cache pool (host:port); None: no pool, nothing is looked up, loaded or stored.
+    cache_pool_address: str | None = None
+    cache_pool_model: str = ""  # the pool's model key (names the model and its KV layout)
+    cache_pool_lookup_timeout_s: float = 0.5  # a slow lookup delays only its own request
 
     @classmethod
     def of(cls, extra: dict) -> "ConnectorSettings":
@@ -27,6 +34,20 @@ class ConnectorSettings:
         from services.kv_transport import TransportSettings
 
         return TransportSettings.of(self.transport).recv_idle_timeout_s
+
+    def open_pool(self, kv_cache_config):
+        """The pool's I/O bridge and this engine's pool keys; None when no pool is configured or the
+        model has KV-cache groups the pool cannot hold."""
+        from services.kv_connector.pool_io import PoolIO, PoolModel
+
+        if not self.cache_pool_address:
+            return None
+        model = PoolModel.of(self.cache_pool_model, kv_cache_config)
+        if model is None:
+            logger.warning("cache pool %s not used: the model has KV-cache groups it cannot hold",
+                           self.cache_pool_address)
+            return None
+        return PoolIO(self.cache_pool_address, self.cache_pool_lookup_timeout_s), model
 
     def open_streams(self):
         from services.kv_transport import KVTransport, TransportSettings

@@ -233,10 +233,10 @@ class PrfaasConnectorWorker:
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
 
-    def transport_stats(self) -> TransportStats | None:
-        """A telemetry snapshot, at most once per ``INTERVAL_S`` (called after every forward)."""
+    def transport_stats(self, force: bool = False) -> TransportStats | None:
+        """A telemetry snapshot, at most once per ``INTERVAL_S`` unless forced (called after every forward)."""
         now = time.monotonic()
-        if self.streams is None or now < self._next_stats:
+        if self.streams is None or (now < self._next_stats and not force):
             return None
         self._next_stats = now + INTERVAL_S
         return TransportStats(data=self.streams.snapshot())

@@ -83,7 +83,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused")
+    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused", "kv_pool_tokens_loaded", "kv_pool_tokens_stored", "kv_pool_loads_failed", "kv_pool_stores_failed")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,10 @@ class WorkerStats(_message.Message):
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     KV_CONNECTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_STORED_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOADS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_STORES_FAILED_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     service: str
     role: str
@@ -112,7 +116,11 @@ class WorkerStats(_message.Message):
     kv_bytes_received: int
     kv_frames_rejected: int
     kv_connections_refused: int
-    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ...) -> None: ...
+    kv_pool_tokens_loaded: int
+    kv_pool_tokens_stored: int
+    kv_pool_loads_failed: int
+    kv_pool_stores_failed: int
+    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ...) -> None: ...
 
 class KvLinkStats(_message.Message):
     __slots__ = ("peer", "connections", "bytes_sent", "transfers_sent", "transfers_failed", "goodput_bps", "retransmits", "rtt_ms", "cwnd_segments", "delivery_rate_bps")

@@ -1,0 +1,107 @@
+"""The connector's one bridge to its cluster's cache pool: a background thread running an asyncio
+loop with a ``CachePoolClient``. Hooks call ``start_*`` (never blocks) and get a
+``concurrent.futures.Future``; they poll it with ``done()`` on later steps.
+
+``PoolModel`` says what the pool keys of this engine are: the model key, the tokens per block and
+each KV-cache group's kind, derived from vLLM's ``KVCacheConfig`` the same way in the scheduler and
+the worker process.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult
+
+
+@dataclass(frozen=True, slots=True)
+class PoolModel:
+    model: str
+    block_size: int
+    groups: tuple[KvCacheGroup, ...]
+
+    @property
+    def full_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.FULL_ATTENTION)
+
+    @property
+    def linear_group_ids(self) -> tuple[int, ...]:
+        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.LINEAR_ATTENTION)
+
+    def query(self, block_hashes: tuple[bytes, ...]) -> LookupQuery:
+        return LookupQuery(self.model, self.block_size, block_hashes, self.groups)
+
+    @classmethod
+    def of(cls, model: str, kv_cache_config) -> "PoolModel | None":
+        """None when a group is neither full attention nor a recurrent state (e.g. sliding window),
+        or the full-attention groups disagree on the block size: the pool is then not used."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+
+        groups, block_sizes = [], set()
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+            if isinstance(spec, MambaSpec):
+                groups.append(KvCacheGroup(group_id, GroupKind.LINEAR_ATTENTION))
+            elif all(type(s) is FullAttentionSpec for s in specs):
+                groups.append(KvCacheGroup(group_id, GroupKind.FULL_ATTENTION))
+                block_sizes.add(spec.block_size)
+            else:
+                return None
+        if len(block_sizes) != 1:
+            return None
+        return cls(model, block_sizes.pop(), tuple(groups))
+
+
+class PoolIO:
+    def __init__(self, address: str, lookup_timeout_s: float) -> None:
+        self.address = address
+        self.lookup_timeout_s = lookup_timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="prfaas-cache-pool", daemon=True)
+        self._thread.start()
+        self._client = self._run(self._new_client()).result()
+        self._run(self._connect())
+
+    def start_lookup(self, query: LookupQuery) -> "Future[LookupResult]":
+        return self._run(self._client.lookup(query, timeout_s=self.lookup_timeout_s))
+
+    def start_get(self, model: str, refs: list[tuple[int, bytes]]) -> "Future[list[Block]]":
+        """Fails (``grpc.aio.AioRpcError`` NOT_FOUND) when any block is gone: the caller recomputes."""
+        return self._run(self._client.get(model, refs))
+
+    def start_put(self, model: str, make_blocks) -> "Future[PutResult]":
+        """``make_blocks()`` runs on the I/O thread (turning copied tensors into bytes is not the
+        engine thread's job)."""
+        return self._run(self._put(model, make_blocks))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.close()).result(timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop.close()
+
+    async def _new_client(self):
+        from services.cache_pool.client import CachePoolClient
+
+        return CachePoolClient(self.address)
+
+    async def _connect(self) -> None:
+        """Open the connection now, not inside the first lookup's deadline (failures are not fatal)."""
+        try:
+            await self._client.stats()
+        except Exception:  # noqa: BLE001 - the pool may start later; lookups then miss until it does
+            pass
+
+    async def _put(self, model: str, make_blocks) -> PutResult:
+        blocks = make_blocks()
+        return await self._client.put(model, blocks) if blocks else PutResult(0, 0)
+
+    def _run(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

@@ -1,0 +1,203 @@
+"""The cluster's cache pool reused across workers: real engines in separate processes, a real pool.
+
+Request A is prefilled on worker ``pd-a`` (a prefill-role worker, called on its own gRPC API, so the
+router never sends it anything else); its connector stores A's prompt blocks, and for the hybrid
+model its linear-attention states at chunk ends, in the local cluster's pool. Request B shares a
+long prefix with A and goes through the router (official ``openai`` client) to ``pd-b``, the only
+worker that generates. ``pd-b`` finds the prefix in the pool, loads it and prefills only the rest:
+its stats count exactly the loaded prefix. B's greedy output must equal a colocated engine's
+without any cache (support/baseline.py). The loaded prefix is always a multiple of the chunk budget,
+so the worker's chunks equal the reference's (see VLLM_HYBRID_FACTS.md, "Testing pitfalls").
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+from prfaas.v1 import worker_pb2 as pb
+from prfaas.v1 import worker_pb2_grpc as pb_grpc
+
+from services.cache_pool.pool import CachePool
+from services.cache_pool.server import PoolIdentity, start_pool_server
+from support.baseline import colocated_greedy
+from support.deployment import Deployment, deployment_config, wait_until
+from support.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+OUTPUT_TOKENS = 32
+BLOCK = 128  # the CPU backend's KV block size (SmolLM2)
+
+
+def _deployment(tmp_path_factory, model_name: str, engine: dict, block_size: int):
+    """The local cluster: ``pd-a`` (prefill role), ``pd-b`` (both), and its cache pool in this process."""
+    pool_port = free_port()
+    running = start_pool_server(CachePool(1 << 30), PoolIdentity("pool-local", "local"), "127.0.0.1", pool_port)
+    config = deployment_config(
+        [{"name": "pd-a", "service": "decode_worker", "role": "prefill", "engine": engine,
+          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
+         {"name": "pd-b", "service": "decode_worker", "role": "both", "engine": engine,
+          "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
+        model_path=f"builtin:{model_name}", model_name=model_name,
+        scheduler={"cache_block_size": block_size},
+    )
+    config["cache_pools"] = [{"name": "pool-local", "cluster": "local", "port": pool_port, "memory_budget_gib": 1.0}]
+    try:
+        deployment = Deployment(config, tmp_path_factory.mktemp(model_name)).start()
+    except BaseException:
+        running.stop(0)
+        raise
+    return deployment, running
+
+
+def _start_deployment_and_reference(tmp_path_factory, model_name, engine, block_size, model_path, prompts, budget):
+    """The reference engine runs while the deployment starts (both take ~30 s of mostly waiting)."""
+    with ThreadPoolExecutor(1) as executor:
+        texts = executor.submit(colocated_greedy, model_path, prompts, [budget] * len(prompts), OUTPUT_TOKENS,
+                                enable_prefix_caching=False)
+        deployment, running = _deployment(tmp_path_factory, model_name, engine, block_size)
+        try:
+            return deployment, running, texts.result()
+        except BaseException:
+            deployment.stop()
+            running.stop(0)
+            raise
+
+
+def _prefill_on_pd_a(deployment, prompt: list[int]) -> None:
+    port = next(w["port"] for w in deployment.config["workers"] if w["name"] == "pd-a")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        pb_grpc.PrefillWorkerStub(channel).Prefill(
+            pb.PrefillRequest(request_id=f"a-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt), timeout=300)
+
+
+def _complete(deployment, model_name: str, prompt: list[int]) -> str:
+    async def run():
+        async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=300) as client:
+            return await client.completions.create(model=model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+
+    reply = asyncio.run(run())
+    assert reply.usage.completion_tokens == OUTPUT_TOKENS
+    return reply.choices[0].text
+
+
+def _pool_holds(running, num_blocks: int) -> bool:
+    return running.servicer.snapshot().memory_blocks >= num_blocks
+
+
+def _loaded_by_pd_b(deployment, tokens: int) -> bool:
+    return deployment.worker_stats("pd-b").kv_pool_tokens_loaded == tokens
+
+
+# SmolLM2 (dense) ------------------------------------------------------------------------------
+
+SMOL = "smollm2-135m-instruct"
+SMOL_BUDGET = 512
+SMOL_PREFIX = 3 * SMOL_BUDGET  # 1536 tokens: 12 blocks, three whole chunks
+
+
+def _tokenize(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from services.models import smollm2
+
+    return AutoTokenizer.from_pretrained(smollm2.prepare()).encode(text, add_special_tokens=False)
+
+
+@functools.cache
+def _corpus() -> list[int]:
+    """English prose (random token ids make near-ties that any change of batch flips)."""
+    import argparse as a, collections as c, inspect, json as j, logging as lg, subprocess as sp, threading as th
+
+    text = "\n\n".join(inspect.getdoc(m) or "" for m in (a, c, j, lg, sp, th, inspect))
+    text += "\n\n".join(inspect.getdoc(getattr(m, name)) or "" for m in (sp, th, c) for name in dir(m)
+                          if not name.startswith("_") and inspect.isclass(getattr(m, name)))
+    return _tokenize(text)
+
+
+def _smol_prompts() -> dict[str, list[int]]:
+    corpus = _corpus()
+    prefix = corpus[:SMOL_PREFIX]
+    return {"a": prefix + corpus[2000:2200], "b": prefix + _tokenize("\n\nQuestion: what does this describe?\n")
+            + corpus[3000:3120]}
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    from services.models import smollm2
+
+    prompts = _smol_prompts()
+    deployment, running, texts = _start_deployment_and_reference(
+        tmp_path_factory, SMOL, {"max_num_batched_tokens": SMOL_BUDGET}, BLOCK, str(smollm2.prepare()), [prompts["b"]],
+        SMOL_BUDGET)
+    yield deployment, running, prompts, texts[0]
+    deployment.stop()
+    running.stop(0)
+
+
+def test_a_dense_prefix_prefilled_on_one_worker_is_loaded_by_another(smol):
+    deployment, running, prompts, expected = smol
+    _prefill_on_pd_a(deployment, prompts["a"])
+    assert wait_until(lambda: _pool_holds(running, len(prompts["a"]) // BLOCK), 30), "A's blocks never reached the pool"
+    assert _complete(deployment, SMOL, prompts["b"]) == expected
+    assert wait_until(lambda: _loaded_by_pd_b(deployment, SMOL_PREFIX), 10), deployment.worker_stats("pd-b")
+    # pd-b computed from the prefix on: it stored only its own full blocks after it
+    own_tokens = len(prompts["b"]) // BLOCK * BLOCK - SMOL_PREFIX
+    assert wait_until(lambda: deployment.worker_stats("pd-b").kv_pool_tokens_stored == own_tokens, 10)
+    assert deployment.worker_stats("pd-b").kv_pool_loads_failed == 0
+
+
+# Tiny hybrid (3 Gated-DeltaNet + 1 full attention) ---------------------------------------------
+
+HYBRID = "tiny-qwen3-next"
+HYBRID_BLOCK = 256   # vLLM raises the attention block to the GDN state's page size
+HYBRID_BUDGET = 512  # two blocks: A's chunks end, and its states are stored, at 512 and 1024 only
+
+
+def _random_tokens(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(length)]
+
+
+def _hybrid_prompts() -> dict[str, list[int]]:
+    base = _random_tokens(1200, seed=1)
+    return {"a": base,
+            # shares 1024 tokens: blocks 0-3 and the state at 1024 (a chunk end of A)
+            "on_state": base[:1024] + _random_tokens(100, seed=2),
+            # shares 800 tokens: blocks 0-2 (768), but A stored no state at 768: falls back to 512
+            "between_states": base[:800] + _random_tokens(150, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from services.models import tiny_hybrid
+
+    prompts = _hybrid_prompts()
+    engine = {"max_num_batched_tokens": HYBRID_BUDGET, "enable_prefix_caching": False}
+    deployment, running, texts = _start_deployment_and_reference(
+        tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()), [prompts["on_state"], prompts["between_states"]],
+        HYBRID_BUDGET)
+    assert all(texts), "the reference generated empty texts: choose other seeds"
+    yield deployment, running, prompts, dict(zip(("on_state", "between_states"), texts))
+    deployment.stop()
+    running.stop(0)
+
+
+def test_a_hybrid_prefix_and_its_linear_states_are_loaded_by_another_worker(hybrid):
+    deployment, running, prompts, expected = hybrid
+    _prefill_on_pd_a(deployment, prompts["a"])
+    # 4 full blocks of the attention group, and 2 states (512, 1024) of each of the 3 GDN groups
+    assert wait_until(lambda: _pool_holds(running, 4 + 2 * 3), 30), running.servicer.snapshot()
+    assert _complete(deployment, HYBRID, prompts["on_state"]) == expected["on_state"]
+    assert wait_until(lambda: _loaded_by_pd_b(deployment, 1024), 10), deployment.worker_stats("pd-b")
+    assert _complete(deployment, HYBRID, prompts["between_states"]) == expected["between_states"]
+    assert wait_until(lambda: _loaded_by_pd_b(deployment, 1024 + 512), 10), deployment.worker_stats("pd-b")
+    assert deployment.worker_stats("pd-b").kv_pool_loads_failed == 0

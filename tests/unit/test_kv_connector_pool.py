@@ -1,0 +1,287 @@
+"""The connector's cache-pool integration, one layer at a time.
+
+The scheduler side (``PoolPlanner``, through ``PrfaasConnectorScheduler``) and the worker side
+(``PoolWorker`` over a real ``KVLayout`` of small tensors) run against a fake pool I/O backed by a
+plain ``CachePool``; ``PoolIO`` itself against an in-process pool server. Real engines:
+tests/e2e/test_cache_pool_reuse.py.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.cache_pool.hashing import prompt_block_hashes
+from services.cache_pool.pool import CachePool
+from services.cache_pool.server import PoolIdentity, start_pool_server
+from services.cache_pool.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
+from services.kv_connector.layout import KVLayout
+from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
+from services.kv_connector.params import consume
+from services.kv_connector.pool_io import PoolIO, PoolModel
+from services.kv_connector.pool_scheduler import PoolPlanner
+from services.kv_connector.pool_worker import PoolWorker
+from services.kv_connector.scheduler import PrfaasConnectorScheduler
+
+BLOCK = 4
+NUM_BLOCKS = 16
+HYBRID = PoolModel("tiny/1", BLOCK, (KvCacheGroup(0, GroupKind.LINEAR_ATTENTION),
+                                     KvCacheGroup(1, GroupKind.FULL_ATTENTION)))
+
+
+def _done(value=None, exc: Exception | None = None) -> Future:
+    future = Future()
+    future.set_exception(exc) if exc else future.set_result(value)
+    return future
+
+
+class _FakeIO:
+    """PoolIO's interface over an in-memory CachePool; lookups are answered when the test says."""
+
+    lookup_timeout_s = 0.05
+
+    def __init__(self) -> None:
+        self.pool = CachePool(64 << 20)
+        self.lookups: list = []
+        self.get_error: Exception | None = None
+
+    def start_lookup(self, query) -> Future:
+        future = Future()
+        self.lookups.append((query, future))
+        return future
+
+    def answer_lookups(self) -> None:
+        for query, future in self.lookups:
+            future.set_result(self.pool.lookup(query))
+
+    def start_get(self, model, refs) -> Future:
+        if self.get_error:
+            return _done(exc=self.get_error)
+        try:
+            return _done(self.pool.get(model, refs))
+        except BlockMissingError as exc:
+            return _done(exc=exc)
+
+    def start_put(self, model, make_blocks) -> Future:
+        return _done(self.pool.put(model, make_blocks()))
+
+
+# Scheduler side -------------------------------------------------------------------------------
+
+def _request(req_id: str, num_tokens: int, seed: int = 0, kv_transfer_params=None):
+    tokens = [(seed * 1000 + i) % 997 for i in range(num_tokens)]
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, num_prompt_tokens=num_tokens,
+                           kv_transfer_params=kv_transfer_params)
+
+
+def _step(new=(), cached=(), scheduled=None):
+    """``new``: (req_id, block_ids, num_computed); ``cached``: (req_id, new_block_ids, num_computed)."""
+    return SimpleNamespace(
+        num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b, num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached], new_block_ids=[b for _, b, _ in cached],
+                                              num_computed_tokens=[n for _, _, n in cached], resumed_req_ids=set()))
+
+
+@pytest.fixture
+def io():
+    return _FakeIO()
+
+
+@pytest.fixture
+def scheduler(io):
+    return PrfaasConnectorScheduler(PoolPlanner(io, HYBRID))
+
+
+def _store_everything(io, tokens: list[int], num_blocks: int) -> None:
+    hashes = prompt_block_hashes(tokens, BLOCK)[:num_blocks]
+    io.pool.put(HYBRID.model, [Block(g, h, b"x") for h in hashes for g in (0, 1)])
+
+
+def test_a_request_waits_for_its_lookup_then_loads_what_the_engine_lacks(scheduler, io):
+    request = _request("r1", 4 * BLOCK + 2)
+    _store_everything(io, request.prompt_token_ids, 3)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    io.answer_lookups()
+    assert scheduler.get_num_new_matched_tokens(request, BLOCK) == (2 * BLOCK, True)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([9], [1, 2, 3, 4, 5])),
+                                       2 * BLOCK)
+    meta = scheduler.build_connector_meta(_step())
+    [load] = meta.pool_loads
+    assert (load.req_id, load.first_block, load.num_blocks, load.block_ids) == ("r1", 1, 2, ((9,), (1, 2, 3, 4, 5)))
+    assert list(load.block_hashes) == prompt_block_hashes(request.prompt_token_ids, BLOCK)[:3]
+
+
+@pytest.mark.parametrize("num_tokens, stored_blocks, expected_blocks", [
+    (4 * BLOCK, 4, 3),       # a whole-prompt hit leaves the last token to compute: one block less
+    (4 * BLOCK + 1, 4, 4),   # N-1 tokens are exactly four blocks
+    (3 * BLOCK + 2, 1, 1),
+])
+def test_at_most_n_minus_one_prompt_tokens_are_looked_up(scheduler, io, num_tokens, stored_blocks, expected_blocks):
+    request = _request("r1", num_tokens)
+    _store_everything(io, request.prompt_token_ids, stored_blocks)
+    scheduler.on_new_request(request)
+    io.answer_lookups()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (expected_blocks * BLOCK, True)
+
+
+def test_a_lookup_that_fails_or_times_out_is_a_miss(io):
+    clock = [100.0]
+    scheduler = PrfaasConnectorScheduler(PoolPlanner(io, HYBRID, clock=lambda: clock[0]))
+    failed, slow = _request("r1", 3 * BLOCK), _request("r2", 3 * BLOCK, seed=1)
+    scheduler.on_new_request(failed)
+    scheduler.on_new_request(slow)
+    io.lookups[0][1].set_exception(ConnectionError("pool down"))
+    assert scheduler.get_num_new_matched_tokens(failed, 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(slow, 0) == (None, False)
+    clock[0] += 1.0
+    assert scheduler.get_num_new_matched_tokens(slow, 0) == (0, False)
+
+
+def test_after_a_failed_load_the_request_recomputes_and_stores_again(scheduler, io):
+    request = _request("r1", 3 * BLOCK + 1)
+    _store_everything(io, request.prompt_token_ids, 3)
+    scheduler.on_new_request(request)
+    io.answer_lookups()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, True)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([9], [1, 2, 3, 4])), 3 * BLOCK)
+    scheduler.build_connector_meta(_step())
+    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, failed_recving={"r1"}))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = scheduler.build_connector_meta(_step(new=[("r1", ([9], [1, 2, 3, 4]), 0)], scheduled={"r1": 3 * BLOCK + 1}))
+    assert [i for i, _ in meta.pool_stores[0].blocks] == [0, 1, 2]
+
+
+def test_each_step_stores_the_blocks_it_completed_and_states_on_block_boundaries(scheduler, io):
+    request = _request("r1", 3 * BLOCK + 2)
+    hashes = prompt_block_hashes(request.prompt_token_ids, BLOCK)
+    scheduler.on_new_request(request)
+    io.answer_lookups()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    first = scheduler.build_connector_meta(_step(new=[("r1", ([7], [1, 2]), 0)], scheduled={"r1": 6}))
+    second = scheduler.build_connector_meta(_step(cached=[("r1", ([], [3, 4]), 6)], scheduled={"r1": 6}))
+    third = scheduler.build_connector_meta(_step(cached=[("r1", None, 12)], scheduled={"r1": 2}))
+    decode = scheduler.build_connector_meta(_step(cached=[("r1", None, 14)], scheduled={"r1": 1}))
+    assert first.pool_stores == [PoolStoreSpec("r1", ((7,), (1, 2)), ((0, hashes[0]),), None, 6)]
+    assert second.pool_stores == [PoolStoreSpec("r1", ((7,), (1, 2, 3, 4)), ((1, hashes[1]), (2, hashes[2])),
+                                                hashes[2], 12)]
+    assert third.pool_stores == decode.pool_stores == []
+
+
+def test_consumers_of_a_kv_stream_neither_look_up_nor_store(scheduler, io):
+    request = _request("r1", 3 * BLOCK, kv_transfer_params=consume("t1").to_extra_args()["kv_transfer_params"])
+    scheduler.on_new_request(request)
+    assert io.lookups == []
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * BLOCK - 1, True)
+
+
+def test_an_aborted_load_is_abandoned_once(scheduler, io):
+    request = _request("r1", 3 * BLOCK + 1)
+    _store_everything(io, request.prompt_token_ids, 2)
+    scheduler.on_new_request(request)
+    io.answer_lookups()
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([9], [1, 2, 3, 4])), 2 * BLOCK)
+    scheduler.build_connector_meta(_step())
+    scheduler.request_finished(request)
+    assert scheduler.build_connector_meta(_step()).pool_abandoned == ["r1"]
+    assert scheduler.build_connector_meta(_step()).pool_abandoned == []
+
+
+# Worker side ----------------------------------------------------------------------------------
+
+def _layout(fill: bool) -> KVLayout:
+    """Group 0: a recurrent state (one layer); group 1: full attention (two layers)."""
+    state = SimpleNamespace(block_size=64)
+    attention = SimpleNamespace(block_size=BLOCK, num_kv_heads=2)
+    config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=["l0"], kv_cache_spec=state),
+        SimpleNamespace(layer_names=["l1", "l2"], kv_cache_spec=attention)])
+    generator = torch.Generator().manual_seed(0)
+    make = (lambda *shape: torch.randn(*shape, generator=generator).to(torch.bfloat16)) if fill else \
+        (lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16))
+    caches = {"l0": make(NUM_BLOCKS, 1, 1, 16).view(torch.int8), "l1": make(NUM_BLOCKS, 2, BLOCK, 8),
+              "l2": make(2, NUM_BLOCKS, BLOCK, 8)}  # l2: blocks on dim 1, as some layouts have
+    return KVLayout(config, caches)
+
+
+def _worker(io, fill: bool) -> PoolWorker:
+    worker = PoolWorker(io, HYBRID)
+    worker.layout = _layout(fill)
+    return worker
+
+
+def test_stored_blocks_load_into_other_block_ids_byte_for_byte(io):
+    source, target = _worker(io, fill=True), _worker(io, fill=False)
+    hashes = tuple(prompt_block_hashes(list(range(3 * BLOCK)), BLOCK))
+    source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+        "a", ((5,), (1, 2, 3)), tuple(enumerate(hashes)), hashes[2], 3 * BLOCK)]))
+    source.store()
+    assert source.counters()["pool_tokens_stored"] == 3 * BLOCK
+    target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11), (4, 8, 9, 10)), hashes, 1)]))
+    assert target.finished_loads() == ({"b"}, set())
+    src, dst = source.layout.caches, target.layout.caches
+    assert torch.equal(dst["l1"][[8, 9]], src["l1"][[2, 3]]) and torch.equal(dst["l2"][:, [8, 9]], src["l2"][:, [2, 3]])
+    assert torch.equal(dst["l0"][11], src["l0"][5])
+    assert not dst["l1"][4].any(), "block 0 was the engine's own: not loaded"
+    assert target.counters()["pool_tokens_loaded"] == 2 * BLOCK
+
+
+@pytest.mark.parametrize("problem", ["missing", "wrong_size", "rpc_error"])
+def test_a_failed_load_is_finished_and_failed(io, problem):
+    hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+    if problem == "wrong_size":
+        io.pool.put(HYBRID.model, [Block(g, h, b"short") for h in hashes for g in (0, 1)])
+    if problem == "rpc_error":
+        io.get_error = TimeoutError("deadline exceeded")
+    worker = _worker(io, fill=False)
+    worker.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
+    assert worker.finished_loads() == ({"b"}, {"b"})
+    assert worker.counters()["pool_loads_failed"] == 1 and worker.counters()["pool_tokens_loaded"] == 0
+    assert not worker.layout.caches["l1"].any()
+
+
+def test_an_abandoned_load_is_released_once_and_not_failed(io):
+    worker = _worker(io, fill=False)
+    pending = Future()
+    io.start_get = lambda model, refs: pending
+    hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+    worker.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
+    assert worker.finished_loads() == (set(), set())
+    worker.on_metadata(PrfaasConnectorMetadata(pool_abandoned=["b"]))
+    assert worker.finished_loads() == ({"b"}, set())
+    worker.on_metadata(PrfaasConnectorMetadata(pool_abandoned=["b"]))
+    assert worker.finished_loads() == (set(), set())
+
+
+def test_a_failed_store_is_counted_and_nothing_else(io):
+    worker = _worker(io, fill=True)
+    io.start_put = lambda model, make_blocks: _done(exc=ConnectionError("pool down"))
+    hashes = prompt_block_hashes(list(range(BLOCK)), BLOCK)
+    worker.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec("a", ((5,), (1,)), ((0, hashes[0]),),
+                                                                          None, BLOCK)]))
+    worker.store()
+    assert worker.counters() == {"pool_tokens_loaded": 0, "pool_tokens_stored": 0, "pool_loads_failed": 0,
+                                 "pool_stores_failed": 1}
+
+
+# PoolIO against a real pool server ------------------------------------------------------------
+
+def test_pool_io_round_trip_over_grpc():
+    running = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-local", "local"), "127.0.0.1", 0)
+    io = PoolIO(f"127.0.0.1:{running.port}", lookup_timeout_s=2.0)
+    try:
+        hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+        blocks = [Block(g, h, bytes([i]) * 8) for i, h in enumerate(hashes) for g in (0, 1)]
+        assert io.start_put(HYBRID.model, lambda: blocks).result(5).num_blocks_stored == 4
+        assert io.start_lookup(HYBRID.query(hashes)).result(5) == LookupResult(2, 2, BLOCK)
+        assert io.start_get(HYBRID.model, [(0, hashes[1])]).result(5) == [blocks[2]]
+        with pytest.raises(Exception, match="NOT_FOUND|not stored"):
+            io.start_get("other-model", [(0, hashes[1])]).result(5)
+    finally:
+        io.close()
+        running.stop(0)

@@ -14,7 +14,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "up",
         help="start every service of a deployment on this machine (default: the embedded CPU deployment)",
-        description="Start the router and every worker of the deployment config as separate processes, "
+        description="Start the router, every worker and every cache pool (`cache_pools:`) of the deployment "
+        "config as separate processes, "
         "wait until all are healthy, print the endpoint, and stop them all on Ctrl-C or SIGTERM. "
         "Each service's log goes to <logging.dir>/<name>.log.",
     )
@@ -77,7 +78,7 @@ def _share_kv_secret(config) -> None:
 def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
     from services.launcher import supervisor
 
-    pending = {w.name: (w.host, w.port) for w in config.workers}
+    pending = supervisor.grpc_endpoints(config)
     deadline = time.monotonic() + timeout_s
     next_note = 0.0
     while time.monotonic() < deadline and not stopping:

@@ -43,8 +43,10 @@ class Child:
 
 
 def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> list[Child]:
+    """Cache pools first (workers connect to their cluster's pool), then workers, then the router."""
     base = [sys.executable, "-m", "services.cli"]
-    children = []
+    children = [Child(pool.name, base + ["cache-pool", "--config", str(config_path), "--name", pool.name],
+                      log_dir / f"{pool.name}.log") for pool in config.cache_pools]
     for worker in config.workers:
         command = "prefill-worker" if worker.service == "prefill_worker" else "decode-worker"
         argv = base + [command, "--config", str(config_path), "--name", worker.name]
@@ -53,7 +55,15 @@ def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> 
     return children
 
 
+def grpc_endpoints(config: DeploymentConfig) -> dict[str, tuple[str, int]]:
+    """Every gRPC service the supervisor starts (cache pools and workers): name -> (host, port)."""
+    endpoints = {pool.name: (pool.host, pool.port) for pool in config.cache_pools}
+    endpoints.update({worker.name: (worker.host, worker.port) for worker in config.workers})
+    return endpoints
+
+
 def worker_serving(host: str, port: int) -> bool:
+    """Whether the gRPC service at host:port (a worker or a cache pool) reports SERVING."""
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)

@@ -1,4 +1,5 @@
-"""The cluster's cache pool reused across workers: real engines in separate processes, a real pool.
+"""The cluster's cache pool reused across workers: real engines and the pool in separate processes,
+started from the deployment config as `prfaas up` starts them.
 
 Request A is prefilled on worker ``pd-a`` (a prefill-role worker, called on its own gRPC API, so the
 router never sends it anything else); its connector stores A's prompt blocks, and for the hybrid
@@ -20,11 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+from prfaas.v1 import cache_pool_pb2, cache_pool_pb2_grpc
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
-from services.cache_pool.pool import CachePool
-from services.cache_pool.server import PoolIdentity, start_pool_server
 from support.baseline import colocated_greedy
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port
@@ -36,9 +36,7 @@ BLOCK = 128  # the CPU backend's KV block size (SmolLM2)
 
 
 def _deployment(tmp_path_factory, model_name: str, engine: dict, block_size: int):
-    """The local cluster: ``pd-a`` (prefill role), ``pd-b`` (both), and its cache pool in this process."""
-    pool_port = free_port()
-    running = start_pool_server(CachePool(1 << 30), PoolIdentity("pool-local", "local"), "127.0.0.1", pool_port)
+    """The local cluster: ``pd-a`` (prefill role), ``pd-b`` (both), and its cache pool."""
     config = deployment_config(
         [{"name": "pd-a", "service": "decode_worker", "role": "prefill", "engine": engine,
           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
@@ -47,13 +45,8 @@ def _deployment(tmp_path_factory, model_name: str, engine: dict, block_size: int
         model_path=f"builtin:{model_name}", model_name=model_name,
         scheduler={"cache_block_size": block_size},
     )
-    config["cache_pools"] = [{"name": "pool-local", "cluster": "local", "port": pool_port, "memory_budget_gib": 1.0}]
-    try:
-        deployment = Deployment(config, tmp_path_factory.mktemp(model_name)).start()
-    except BaseException:
-        running.stop(0)
-        raise
-    return deployment, running
+    config["cache_pools"] = [{"name": "pool-local", "cluster": "local", "port": free_port(), "memory_budget_gib": 1.0}]
+    return Deployment(config, tmp_path_factory.mktemp(model_name)).start()
 
 
 def _start_deployment_and_reference(tmp_path_factory, model_name, engine, block_size, model_path, prompts, budget):
@@ -61,12 +54,11 @@ def _start_deployment_and_reference(tmp_path_factory, model_name, engine, block_
     with ThreadPoolExecutor(1) as executor:
         texts = executor.submit(colocated_greedy, model_path, prompts, [budget] * len(prompts), OUTPUT_TOKENS,
                                 enable_prefix_caching=False)
-        deployment, running = _deployment(tmp_path_factory, model_name, engine, block_size)
+        deployment = _deployment(tmp_path_factory, model_name, engine, block_size)
         try:
-            return deployment, running, texts.result()
+            return deployment, texts.result()
         except BaseException:
             deployment.stop()
-            running.stop(0)
             raise
 
 
@@ -89,8 +81,14 @@ def _complete(deployment, model_name: str, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
-def _pool_holds(running, num_blocks: int) -> bool:
-    return running.servicer.snapshot().memory_blocks >= num_blocks
+def _pool_stats(deployment) -> cache_pool_pb2.CachePoolStats:
+    port = deployment.config["cache_pools"][0]["port"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return cache_pool_pb2_grpc.CachePoolStub(channel).GetStats(cache_pool_pb2.CachePoolStatsRequest(), timeout=5)
+
+
+def _pool_holds(deployment, num_blocks: int) -> bool:
+    return _pool_stats(deployment).memory_blocks >= num_blocks
 
 
 def _loaded_by_pd_b(deployment, tokens: int) -> bool:
@@ -135,18 +133,17 @@ def smol(tmp_path_factory):
     from services.models import smollm2
 
     prompts = _smol_prompts()
-    deployment, running, texts = _start_deployment_and_reference(
+    deployment, texts = _start_deployment_and_reference(
         tmp_path_factory, SMOL, {"max_num_batched_tokens": SMOL_BUDGET}, BLOCK, str(smollm2.prepare()), [prompts["b"]],
         SMOL_BUDGET)
-    yield deployment, running, prompts, texts[0]
+    yield deployment, prompts, texts[0]
     deployment.stop()
-    running.stop(0)
 
 
 def test_a_dense_prefix_prefilled_on_one_worker_is_loaded_by_another(smol):
-    deployment, running, prompts, expected = smol
+    deployment, prompts, expected = smol
     _prefill_on_pd_a(deployment, prompts["a"])
-    assert wait_until(lambda: _pool_holds(running, len(prompts["a"]) // BLOCK), 30), "A's blocks never reached the pool"
+    assert wait_until(lambda: _pool_holds(deployment, len(prompts["a"]) // BLOCK), 30), "A's blocks never reached the pool"
     assert _complete(deployment, SMOL, prompts["b"]) == expected
     assert wait_until(lambda: _loaded_by_pd_b(deployment, SMOL_PREFIX), 10), deployment.worker_stats("pd-b")
     # pd-b computed from the prefix on: it stored only its own full blocks after it
@@ -182,20 +179,19 @@ def hybrid(tmp_path_factory):
 
     prompts = _hybrid_prompts()
     engine = {"max_num_batched_tokens": HYBRID_BUDGET, "enable_prefix_caching": False}
-    deployment, running, texts = _start_deployment_and_reference(
+    deployment, texts = _start_deployment_and_reference(
         tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()), [prompts["on_state"], prompts["between_states"]],
         HYBRID_BUDGET)
     assert all(texts), "the reference generated empty texts: choose other seeds"
-    yield deployment, running, prompts, dict(zip(("on_state", "between_states"), texts))
+    yield deployment, prompts, dict(zip(("on_state", "between_states"), texts))
     deployment.stop()
-    running.stop(0)
 
 
 def test_a_hybrid_prefix_and_its_linear_states_are_loaded_by_another_worker(hybrid):
-    deployment, running, prompts, expected = hybrid
+    deployment, prompts, expected = hybrid
     _prefill_on_pd_a(deployment, prompts["a"])
     # 4 full blocks of the attention group, and 2 states (512, 1024) of each of the 3 GDN groups
-    assert wait_until(lambda: _pool_holds(running, 4 + 2 * 3), 30), running.servicer.snapshot()
+    assert wait_until(lambda: _pool_holds(deployment, 4 + 2 * 3), 30), _pool_stats(deployment)
     assert _complete(deployment, HYBRID, prompts["on_state"]) == expected["on_state"]
     assert wait_until(lambda: _loaded_by_pd_b(deployment, 1024), 10), deployment.worker_stats("pd-b")
     assert _complete(deployment, HYBRID, prompts["between_states"]) == expected["between_states"]

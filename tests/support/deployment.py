@@ -102,7 +102,7 @@ class Deployment:
 
     def _wait_healthy(self, parsed) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        pending = {w.name: (w.host, w.port) for w in parsed.workers}
+        pending = supervisor.grpc_endpoints(parsed)
         while time.monotonic() < deadline:
             if any(c.exited for c in self.children):
                 self.stop()

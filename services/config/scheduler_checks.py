@@ -62,6 +62,7 @@ def _check_adaptive(config) -> None:
     _at_least(config.congestion_retransmit_ratio, 0, "scheduler.congestion_retransmit_ratio")
     _at_least(config.congestion_rtt_increase_ms, 0, "scheduler.congestion_rtt_increase_ms")
     _at_least(config.congestion_queue_depth, 1, "scheduler.congestion_queue_depth")
+    _at_least(config.reoptimize_interval_s, 0, "scheduler.reoptimize_interval_s")
     ceiling = config.max_offload_threshold_tokens
     if ceiling is not None and ceiling < config.offload_threshold_tokens:
         raise ConfigError(f"scheduler.max_offload_threshold_tokens: {ceiling} is below "

@@ -148,6 +148,11 @@ class SchedulerConfig:
         20.0, "RTT rise over the lowest RTT seen on a link that counts as congestion.")
     congestion_queue_depth: int = _opt(
         8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion.")
+    reoptimize_interval_s: float = _opt(
+        300.0, "With `adaptive_threshold`: every this many seconds, re-derive the threshold's base (the floor it "
+        "returns to) and ceiling (the most it may be raised) from the planner's model with profiles measured "
+        "online: recent prompt lengths and arrival rate, KV bytes per token sent by the PrfaaS prefill workers, "
+        "the local prefill rate; skipped while there is too little data. 0: never.")
     cache_block_size: int = _opt(
         128, "Tokens per KV block in the cache pools' block hashes; must match the engines' block size (vLLM's "
         "CPU build defaults to 128, its CUDA build to 16; hybrid models use larger blocks). Used "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from prfaas.v1 import worker_pb2 as pb
@@ -49,14 +49,18 @@ class Dispatcher:
         self._queues = queues
         self._placement = placement
         self.threshold_tokens = threshold_tokens
+        self.on_request: list[Callable[[int], None]] = []
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         """Yields the request's deltas. Raises ApiError before the first delta, WorkerFailed after.
+        Each ``on_request`` callback first gets the prompt's length (once per request, not per retry).
 
         Closing the iterator cancels the gRPC calls, which aborts the request on the workers.
         """
         tried: set[str] = set()
         num_tokens = len(request.prompt_token_ids)
+        for callback in self.on_request:
+            callback(num_tokens)
         num_committed = num_tokens + request.sampling.max_tokens
         cache, block_hashes = await self._prompt_cache(request)
         for _ in range(self._config.max_attempts):

@@ -59,6 +59,18 @@ class RouterMetrics:
         self.link_congested = Gauge("prfaas_scheduler_link_congested",
                                     "1 when the PrfaaS link shows congestion (retransmits, RTT rise, queue).",
                                     registry=r)
+        self.threshold_base = Gauge("prfaas_scheduler_threshold_base_tokens",
+                                    "Floor the adaptive threshold returns to (moved by each re-optimisation).",
+                                    registry=r)
+        self.threshold_ceiling = Gauge("prfaas_scheduler_threshold_ceiling_tokens",
+                                       "Highest threshold the adaptive controller may raise to (moved by each "
+                                       "re-optimisation).", registry=r)
+        self.reoptimizations = Counter("prfaas_scheduler_reoptimizations_total",
+                                       "Long-timescale re-optimisations of the threshold's base and ceiling.",
+                                       registry=r)
+        self.kv_bytes_per_token = Gauge("prfaas_scheduler_kv_bytes_per_token",
+                                        "KV bytes per offloaded prompt token, measured from the PrfaaS prefill "
+                                        "workers' sent bytes (at the last re-optimisation).", registry=r)
         self.threshold_changes = Counter("prfaas_scheduler_threshold_changes_total",
                                          "Threshold controller state or level changes.", registry=r)
         self.decisions = Counter("prfaas_scheduler_decisions_total",

@@ -44,7 +44,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         if config.cache_pools else None
     placement = Placement(config, pool, metrics, index)
     dispatcher = Dispatcher(pool, config.router, metrics, scheduler.offload_threshold_tokens, queues, placement)
-    _start_threshold_control(config, pool, dispatcher, metrics)
+    _start_threshold_control(config, pool, dispatcher, metrics, queues, placement)
     if scheduler.role_flips.enabled:
         pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity).on_poll)
     admission = None
@@ -78,11 +78,15 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
 
 
 def _start_threshold_control(config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher,
-                             metrics: RouterMetrics) -> None:
-    metrics.threshold.set(dispatcher.threshold_tokens)
+                             metrics: RouterMetrics, queues: PrefillQueues, placement: Placement) -> None:
+    for gauge in (metrics.threshold, metrics.threshold_base, metrics.threshold_ceiling):
+        gauge.set(dispatcher.threshold_tokens)
     has_prfaas = any(w.service == "prefill_worker" and w.cluster == "prfaas" for w in config.workers)
     if config.scheduler.adaptive_threshold and has_prfaas:
-        pool.on_poll.append(ThresholdControl(config, pool, dispatcher, metrics).on_poll)
+        control = ThresholdControl(config, pool, dispatcher, metrics, queues=queues, placement=placement)
+        pool.on_poll.append(control.on_poll)
+        if control.reoptimizer is not None:
+            dispatcher.on_request.append(control.reoptimizer.record_request)
 
 
 async def _wait_for_signal() -> None:

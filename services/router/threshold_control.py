@@ -1,6 +1,7 @@
 """The router's short-timescale threshold loop: after every stats poll, the PrfaaS prefill workers'
 KV link telemetry becomes one ``LinkSample`` for ``CongestionAwareThreshold``, whose threshold
-the dispatcher routes with from then on."""
+the dispatcher routes with from then on; every ``scheduler.reoptimize_interval_s`` the long
+timescale (``services.router.reoptimize``) moves the controller's base and ceiling."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,11 @@ from dataclasses import dataclass
 from prfaas.v1 import worker_pb2 as pb
 
 from services.config import DeploymentConfig
+from services.router.admission import PrefillQueues
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
+from services.router.reoptimize import ThresholdReoptimizer
 from services.router.workers import WorkerHandle, WorkerPool
 from services.scheduling.congestion import (STATES, CongestionAwareThreshold, CongestionControllerConfig,
                                             LinkSample)
@@ -107,22 +111,36 @@ class LinkSignals:
 
 
 class ThresholdControl:
-    """Registered as a ``WorkerPool.on_poll`` callback; never blocks."""
+    """Registered as a ``WorkerPool.on_poll`` callback; never blocks. With ``queues`` and a positive
+    ``scheduler.reoptimize_interval_s`` it also re-optimises the base and ceiling on that schedule
+    (:attr:`reoptimizer`, whose ``record_request`` the dispatcher calls per request). ``placement``:
+    told the current base, so a re-optimised base does not read as scarce bandwidth."""
 
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, queues: PrefillQueues | None = None,
+                 placement: Placement | None = None) -> None:
         self.controller = CongestionAwareThreshold(controller_config(config))
         self._pool = pool
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._clock = clock
+        self._placement = placement
         self._signals = LinkSignals()
+        self.reoptimizer = None
+        if queues is not None and config.scheduler.reoptimize_interval_s > 0:
+            self.reoptimizer = ThresholdReoptimizer(config, self.controller, queues, metrics, clock, clock())
         self._export()
 
     def on_poll(self) -> None:
         before = (self.controller.state, self.controller.threshold_tokens)
-        sample = self._signals.sample(self._clock(), [(h.name, h.healthy, h.stats) for h in self._prfaas_workers()])
-        self._dispatcher.threshold_tokens = self.controller.observe(sample)
+        now_s = self._clock()
+        workers = self._prfaas_workers()
+        sample = self._signals.sample(now_s, [(h.name, h.healthy, h.stats) for h in workers])
+        self.controller.observe(sample)
+        reoptimized = self.reoptimizer is not None and self.reoptimizer.on_poll(now_s, workers)
+        if reoptimized and self._placement is not None:
+            self._placement.base_threshold_tokens = self.controller.base_tokens
+        self._dispatcher.threshold_tokens = self.controller.threshold_tokens
         after = (self.controller.state, self.controller.threshold_tokens)
         if after != before:
             self._metrics.threshold_changes.inc()
@@ -136,6 +154,8 @@ class ThresholdControl:
 
     def _export(self) -> None:
         self._metrics.threshold.set(self.controller.threshold_tokens)
+        self._metrics.threshold_base.set(self.controller.base_tokens)
+        self._metrics.threshold_ceiling.set(self.controller.ceiling_tokens)
         for state in STATES:
             self._metrics.controller_state.labels(state).set(1 if state == self.controller.state else 0)
         self._metrics.link_utilization.set(self.controller.utilization)

@@ -93,7 +93,8 @@ def admit(qos: QosClass, classes: tuple[QosClass, ...], num_prompt_tokens: int, 
 
 class PrefillQueue:
     """Prompt tokens admitted to one prefill path and not prefilled yet, and the path's prefill rate
-    measured over its busy time (time with at least one prefill pending), over a sliding window."""
+    measured over its busy time (time with at least one prefill pending), over a sliding window.
+    ``num_tokens_prefilled``: prompt tokens of all prefills that finished on the path since start."""
 
     def __init__(self, configured_tokens_per_s: float | None = None, window_s: float = 30.0) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
@@ -103,6 +104,7 @@ class PrefillQueue:
         self._busy_since_s: float | None = None
         self._busy_s = 0.0
         self._num_prefilled_tokens = 0.0
+        self.num_tokens_prefilled = 0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -124,6 +126,7 @@ class PrefillQueue:
         self.num_queued_tokens -= num_tokens
         if prefilled:
             self._num_prefilled_tokens += num_tokens
+            self.num_tokens_prefilled += num_tokens
         if self.num_queued == 0:
             self._busy_since_s = None
         if self._busy_s > self.window_s:

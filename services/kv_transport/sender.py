@@ -73,7 +73,8 @@ class PeerLink:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure)."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
-        blocks_per_frame = max(1, self._settings.max_frame_bytes // max(block_bytes, 1))
+        target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
+        blocks_per_frame = max(1, target // max(block_bytes, 1))
         for first in range(0, max(num_blocks, 1), blocks_per_frame):
             count = min(blocks_per_frame, num_blocks - first) if num_blocks else 0
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
@@ -155,6 +156,7 @@ class PeerLink:
         try:
             sock = socket.create_connection(self._address, timeout=self._settings.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self._settings.notsent_lowat_bytes)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
             client_handshake(sock, self._settings.secret_bytes)

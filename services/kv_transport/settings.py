@@ -14,8 +14,13 @@ def _opt(default, help: str):
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
     connections_per_peer: int = _opt(8, "TCP connections per peer pair; frames are striped across them.")
-    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload; larger layer payloads are split into "
-                                "whole-block frames.")
+    frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
+                            "blocks up to this size (a single larger block is one frame), so connections share "
+                            "a transfer in small units and none holds its tail.")
+    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts (and a sender sends).")
+    notsent_lowat_bytes: int = _opt(1 << 20, "Unsent bytes a connection may hold in its socket buffer "
+                                     "(`TCP_NOTSENT_LOWAT`); a frame goes to the next connection with room, so "
+                                     "one slowed by loss does not sit on queued frames while the others idle.")
     max_inflight_bytes: int = _opt(512 << 20, "Bytes queued for sending, per peer; senders block beyond it.")
     max_staging_bytes: int = _opt(512 << 20, "Bytes received but not yet taken by the engine; readers pause "
                                   "beyond it.")
@@ -46,6 +51,9 @@ class TransportSettings:
             if expected in (int, float) and value <= 0:
                 raise ConfigError(f"transport.{key}: must be positive, got {value!r}")
         settings = cls(**raw)
+        if settings.frame_bytes > settings.max_frame_bytes:
+            raise ConfigError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
+                              f"({settings.max_frame_bytes}), which receivers would refuse")
         if len({bool(settings.tls_cert), bool(settings.tls_key), bool(settings.tls_ca)}) > 1:
             raise ConfigError("transport.tls_cert: tls_cert, tls_key and tls_ca go together")
         return settings

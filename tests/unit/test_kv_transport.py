@@ -47,7 +47,7 @@ def collect(rx: KVTransport, transfer_id: str, timeout: float = 10.0):
 
 
 def test_striped_transfer_reassembles_in_full(pair):
-    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=4, max_frame_bytes=1 << 16))
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=4, frame_bytes=1 << 16))
     layers = {layer: os.urandom(40 * 4096) for layer in range(6)}
     for layer, data in layers.items():
         tx.send(peer, "t-1", layer, layer % 2, 0, 40, data)

@@ -29,6 +29,11 @@ class GlobalCacheIndex:
         return cls({p.cluster: f"{p.host}:{p.port}" for p in config.cache_pools}, timeout_s)
 
     @property
+    def clients(self) -> dict[str, CachePoolClient]:
+        """Cluster name → its pool's client (shared with cross-cluster cache transfers)."""
+        return dict(self._clients)
+
+    @property
     def clusters(self) -> tuple[str, ...]:
         return tuple(self._clients)
 

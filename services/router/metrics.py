@@ -94,6 +94,16 @@ class RouterMetrics:
         self.cross_cluster_transfer_tokens = Counter("prfaas_scheduler_cross_cluster_transfer_tokens_total",
                                                      "Prompt tokens of the decided cross-cluster cache transfers.",
                                                      registry=r)
+        self.cache_transfer_blocks = Counter("prfaas_cache_transfer_blocks_total",
+                                             "Blocks copied between the clusters' pools by cross-cluster cache "
+                                             "transfers (only what the target lacked).", ["source", "target"],
+                                             registry=r)
+        self.cache_transfer_bytes = Counter("prfaas_cache_transfer_bytes_total",
+                                            "Bytes copied between the clusters' pools.", ["source", "target"],
+                                            registry=r)
+        self.cache_transfer_failures = Counter("prfaas_cache_transfer_failures_total",
+                                               "Cross-cluster cache transfers that failed (a pool unreachable or "
+                                               "a block evicted meanwhile).", ["source", "target"], registry=r)
         self.role_flips = Counter("prfaas_scheduler_role_flips_total",
                                   "Completed role flips of local PD workers, by new role.", ["role"], registry=r)
         self.role_flip_cancels = Counter("prfaas_scheduler_role_flip_cancels_total",

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from services.cache_pool.hashing import prompt_block_hashes
 from services.cache_pool.index import GlobalCacheIndex
+from services.cache_pool.transfer import CrossClusterCopier
 from services.cache_pool.types import GroupKind, KvCacheGroup, LookupQuery
 from services.config import DeploymentConfig
 from services.router.metrics import RouterMetrics
@@ -28,7 +29,8 @@ OFFLOAD_WINDOW = 100
 
 
 class CacheTransferIssuer(Protocol):
-    """The hook for moving decided cross-cluster cache transfers. Called by :class:`Placement` on the
+    """The hook for moving decided cross-cluster cache transfers (with cache pools:
+    ``services.cache_pool.transfer.CrossClusterCopier``). Called by :class:`Placement` on the
     event loop right after the decision; must not block (start the copy in the background). The
     prefill may start before the copy lands: it then recomputes the missing blocks."""
 
@@ -36,7 +38,7 @@ class CacheTransferIssuer(Protocol):
 
 
 class LogOnlyTransfers:
-    """The default issuer: data movement between the clusters' pools is not implemented yet."""
+    """The issuer without cache pools: nothing to move, the decision is only logged."""
 
     def issue(self, request_id: str, transfer: CacheTransfer, block_hashes: Sequence[bytes]) -> None:
         logger.debug("request %s: cross-cluster cache transfer %s -> %s of %d tokens decided (not moved)",
@@ -54,9 +56,25 @@ class Placement:
         self._pool = pool
         self._metrics = metrics
         self._index = index
-        self._transfers = transfers or LogOnlyTransfers()
+        self._transfers = transfers or (self._copier(index) if index is not None else LogOnlyTransfers())
         self.affinity = PrefixAffinity()
         self._recent_offloads: deque[bool] = deque(maxlen=OFFLOAD_WINDOW)
+
+    def _copier(self, index: GlobalCacheIndex) -> CrossClusterCopier:
+        metrics = self._metrics
+
+        def copied(source: str, target: str, num_blocks: int, num_bytes: int) -> None:
+            metrics.cache_transfer_blocks.labels(source, target).inc(num_blocks)
+            metrics.cache_transfer_bytes.labels(source, target).inc(num_bytes)
+
+        def failed(source: str, target: str) -> None:
+            metrics.cache_transfer_failures.labels(source, target).inc()
+
+        return CrossClusterCopier(index.clients, self._model_key, self.block_size, self._groups, copied, failed)
+
+    async def close(self) -> None:
+        if isinstance(self._transfers, CrossClusterCopier):
+            await self._transfers.close()
 
     async def prompt_cache(self, token_ids: Sequence[int]) -> tuple[PromptCache, list[bytes]]:
         """Cached prefix per cluster and per worker; may wait up to the index's lookup deadline."""

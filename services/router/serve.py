@@ -73,6 +73,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     finally:
         await runner.cleanup()
         await pool.close()
+        await placement.close()
         if index is not None:
             await index.close()
 

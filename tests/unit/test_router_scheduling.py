@@ -36,6 +36,14 @@ class FakeIndex:
                 for c, n in self.cached_tokens.items()}
 
 
+class RecordingTransfers:
+    def __init__(self):
+        self.issued = []
+
+    def issue(self, request_id, transfer, block_hashes):
+        self.issued.append((request_id, transfer, len(block_hashes)))
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -72,8 +80,8 @@ def run_with_pool(raw, body, flippable=False):
 ])
 def test_placement_uses_the_cache_pools(cached, threshold, path, transfer, reused, caplog):
     async def body(config, pool, metrics, clock):
-        index = FakeIndex(cached)
-        placement = Placement(config, pool, metrics, index)
+        index, transfers = FakeIndex(cached), RecordingTransfers()
+        placement = Placement(config, pool, metrics, index, transfers)
         cache, hashes = await placement.prompt_cache(list(range(5000)))
         assert len(index.queries[0].block_hashes) == 5000 // BLOCK and index.queries[0].model == config.model.name
         with caplog.at_level(logging.DEBUG, logger="services.router.placement"):
@@ -83,6 +91,7 @@ def test_placement_uses_the_cache_pools(cached, threshold, path, transfer, reuse
         assert value(metrics, "prfaas_scheduler_offloaded_fraction") == (1.0 if path == "prfaas" else 0.0)
         assert value(metrics, "prfaas_scheduler_cross_cluster_transfers_total", source="prfaas",
                      target="local") == (1 if transfer else 0)
+        assert transfers.issued == ([("req-1", transfer, transfer.num_tokens // BLOCK)] if transfer else [])
         line = next(r.getMessage() for r in caplog.records if "req-1: route" in r.getMessage())
         assert f"cached_local={cached.get('local', 0)} cached_prfaas={cached.get('prfaas', 0)}" in line
     run_with_pool({"workers": WORKERS, "cache_pools": POOLS}, body)

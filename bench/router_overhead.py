@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -71,7 +72,7 @@ def run_vllm(args, out: Path) -> dict:
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
          "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
         cwd=_common.ROOT, stdout=open(out / "vllm.log", "wb"), stderr=subprocess.STDOUT,
-        env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     return measure(process, f"http://127.0.0.1:{port}", args, out)
 
 

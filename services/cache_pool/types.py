@@ -28,6 +28,11 @@ class KvCacheGroup:
     kind: GroupKind
 
 
+def group_ids(groups: tuple[KvCacheGroup, ...], kind: GroupKind) -> tuple[int, ...]:
+    """The ids of the groups of one kind, in order."""
+    return tuple(g.group_id for g in groups if g.kind is kind)
+
+
 @dataclass(frozen=True, slots=True)
 class LookupQuery:
     model: str
@@ -37,11 +42,11 @@ class LookupQuery:
 
     @property
     def full_group_ids(self) -> tuple[int, ...]:
-        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.FULL_ATTENTION)
+        return group_ids(self.groups, GroupKind.FULL_ATTENTION)
 
     @property
     def linear_group_ids(self) -> tuple[int, ...]:
-        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.LINEAR_ATTENTION)
+        return group_ids(self.groups, GroupKind.LINEAR_ATTENTION)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult
+from services.cache_pool.types import (Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult,
+                                      group_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +25,11 @@ class PoolModel:
 
     @property
     def full_group_ids(self) -> tuple[int, ...]:
-        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.FULL_ATTENTION)
+        return group_ids(self.groups, GroupKind.FULL_ATTENTION)
 
     @property
     def linear_group_ids(self) -> tuple[int, ...]:
-        return tuple(g.group_id for g in self.groups if g.kind is GroupKind.LINEAR_ATTENTION)
+        return group_ids(self.groups, GroupKind.LINEAR_ATTENTION)
 
     def query(self, block_hashes: tuple[bytes, ...]) -> LookupQuery:
         return LookupQuery(self.model, self.block_size, block_hashes, self.groups)

@@ -17,7 +17,8 @@ class TransportSettings:
     frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
                             "blocks up to this size (a single larger block is one frame), so connections share "
                             "a transfer in small units and none holds its tail.")
-    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts (and a sender sends).")
+    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts; senders never pack frames "
+                                "beyond it (a single block larger than this cannot be sent).")
     notsent_lowat_bytes: int = _opt(1 << 20, "Unsent bytes a connection may hold in its socket buffer "
                                      "(`TCP_NOTSENT_LOWAT`); a frame goes to the next connection with room, so "
                                      "one slowed by loss does not sit on queued frames while the others idle.")

@@ -37,14 +37,6 @@ class CacheTransferIssuer(Protocol):
     def issue(self, request_id: str, transfer: CacheTransfer, block_hashes: Sequence[bytes]) -> None: ...
 
 
-class LogOnlyTransfers:
-    """The issuer without cache pools: nothing to move, the decision is only logged."""
-
-    def issue(self, request_id: str, transfer: CacheTransfer, block_hashes: Sequence[bytes]) -> None:
-        logger.debug("request %s: cross-cluster cache transfer %s -> %s of %d tokens decided (not moved)",
-                     request_id, transfer.source, transfer.target, transfer.num_tokens)
-
-
 class Placement:
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
                  index: GlobalCacheIndex | None = None, transfers: CacheTransferIssuer | None = None) -> None:
@@ -56,7 +48,8 @@ class Placement:
         self._pool = pool
         self._metrics = metrics
         self._index = index
-        self._transfers = transfers or (self._copier(index) if index is not None else LogOnlyTransfers())
+        # without pools nothing is cached anywhere, so no transfer is ever decided
+        self._transfers = transfers or (self._copier(index) if index is not None else None)
         self.affinity = PrefixAffinity()
         self._recent_offloads: deque[bool] = deque(maxlen=OFFLOAD_WINDOW)
 
@@ -115,7 +108,9 @@ class Placement:
         if route.transfer is not None:
             self._metrics.cross_cluster_transfers.labels(route.transfer.source, route.transfer.target).inc()
             self._metrics.cross_cluster_transfer_tokens.inc(route.transfer.num_tokens)
-            self._transfers.issue(request_id, route.transfer, block_hashes[:route.transfer.num_tokens // self.block_size])
+            if self._transfers is not None:
+                num_blocks = route.transfer.num_tokens // self.block_size
+                self._transfers.issue(request_id, route.transfer, block_hashes[:num_blocks])
 
 
 def _describe(transfer: CacheTransfer | None) -> str:

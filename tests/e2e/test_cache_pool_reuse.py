@@ -13,7 +13,6 @@ so the worker's chunks equal the reference's (see VLLM_HYBRID_FACTS.md, "Testing
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from support.baseline import colocated_greedy
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port
+from support.prose import corpus, tokenize
 
 pytestmark = pytest.mark.e2e
 
@@ -102,30 +102,11 @@ SMOL_BUDGET = 512
 SMOL_PREFIX = 3 * SMOL_BUDGET  # 1536 tokens: 12 blocks, three whole chunks
 
 
-def _tokenize(text: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from services.models import smollm2
-
-    return AutoTokenizer.from_pretrained(smollm2.prepare()).encode(text, add_special_tokens=False)
-
-
-@functools.cache
-def _corpus() -> list[int]:
-    """English prose (random token ids make near-ties that any change of batch flips)."""
-    import argparse as a, collections as c, inspect, json as j, logging as lg, subprocess as sp, threading as th
-
-    text = "\n\n".join(inspect.getdoc(m) or "" for m in (a, c, j, lg, sp, th, inspect))
-    text += "\n\n".join(inspect.getdoc(getattr(m, name)) or "" for m in (sp, th, c) for name in dir(m)
-                          if not name.startswith("_") and inspect.isclass(getattr(m, name)))
-    return _tokenize(text)
-
-
 def _smol_prompts() -> dict[str, list[int]]:
-    corpus = _corpus()
-    prefix = corpus[:SMOL_PREFIX]
-    return {"a": prefix + corpus[2000:2200], "b": prefix + _tokenize("\n\nQuestion: what does this describe?\n")
-            + corpus[3000:3120]}
+    text = corpus()
+    prefix = text[:SMOL_PREFIX]
+    return {"a": prefix + text[2000:2200], "b": prefix + tokenize("\n\nQuestion: what does this describe?\n")
+            + text[3000:3120]}
 
 
 @pytest.fixture(scope="module")

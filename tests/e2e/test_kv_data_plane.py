@@ -9,7 +9,6 @@ workers are (see support/baseline.py); prompt lengths keep its chunks equal to t
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import random
 import re
@@ -28,6 +27,7 @@ from services.kv_transport import protocol
 from support.baseline import colocated_greedy
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port
+from support.prose import corpus, tokenize
 
 pytestmark = pytest.mark.e2e
 
@@ -45,28 +45,10 @@ KILLED_LENGTH = 1921           # long enough to kill its prefill worker mid-tran
 def _prompt(length: int, seed: int) -> list[int]:
     """``length`` tokens of English prose (random token ids make near-ties that any batch flips),
     each prompt opening with its own header so no two share a cached prefix."""
-    corpus = _corpus()
-    header = _tokenize(f"Document {seed}:\n")
-    start = random.Random(seed).randrange(0, len(corpus) - length)
-    return (header + corpus[start:start + length])[:length]
-
-
-def _tokenize(text: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from services.models import smollm2
-
-    return AutoTokenizer.from_pretrained(smollm2.prepare()).encode(text, add_special_tokens=False)
-
-
-@functools.cache
-def _corpus() -> list[int]:
-    import argparse as a, collections as c, inspect, json as j, logging as lg, subprocess as sp, threading as th
-
-    text = "\n\n".join(inspect.getdoc(m) or "" for m in (a, c, j, lg, sp, th, inspect))
-    text += "\n\n".join(inspect.getdoc(getattr(m, name)) or "" for m in (sp, th, c) for name in dir(m)
-                          if not name.startswith("_") and inspect.isclass(getattr(m, name)))
-    return _tokenize(text)
+    text = corpus()
+    header = tokenize(f"Document {seed}:\n")
+    start = random.Random(seed).randrange(0, len(text) - length)
+    return (header + text[start:start + length])[:length]
 
 
 @pytest.fixture(scope="module")

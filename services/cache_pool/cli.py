@@ -57,15 +57,17 @@ def serve_cache_pool(config, grace_s: float = 5.0) -> None:
 
     ssd = SsdTier(config.ssd_dir, config.ssd_budget_bytes) if config.ssd_dir else None
     pool = CachePool(config.memory_budget_bytes, ssd)
-    running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port)
+    running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port,
+                                shm_dir=config.shared_memory_dir)
     if config.metrics_port is not None:
         running.servicer.metrics.start_http_server(config.host, config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s",
+    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s, shared memory %s",
                 config.name, config.cluster, config.host, running.port, config.memory_budget_bytes,
-                f"{config.ssd_dir} ({config.ssd_budget_bytes} B)" if ssd else "off")
+                f"{config.ssd_dir} ({config.ssd_budget_bytes} B)" if ssd else "off",
+                running.servicer.shm_dir or "off")
     stop.wait()
     logger.info("cache pool %s stopping", config.name)
     running.stop(grace_s)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prfaas.v1 import cache_pool_pb2 as pb
 
+from services.cache_pool.shm import ShmBlockData, ShmFile
 from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PoolStats
 
 KIND_TO_PROTO = {
@@ -43,20 +44,32 @@ def lookup_result_from_proto(response: pb.LookupResponse, block_size: int) -> Lo
 
 
 def blocks_from_proto(blocks) -> list[Block]:
+    """Blocks with their bytes inline, or an ``ShmFile`` naming the file that holds them."""
     result = []
     for i, block in enumerate(blocks):
         _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
-        if not block.data:
+        if block.HasField("shm"):
+            if block.data:
+                raise ValueError(f"blocks[{i}]: set data or shm, not both")
+            if not block.shm.name or "/" in block.shm.name or not block.shm.size:
+                raise ValueError(f"blocks[{i}].shm: a plain file name and a positive size are required")
+            result.append(Block(block.group_id, block.block_hash, ShmFile(block.shm.name, block.shm.size)))
+        elif not block.data:
             raise ValueError(f"blocks[{i}].data is empty")
-        result.append(Block(block.group_id, block.block_hash, block.data))
+        else:
+            result.append(Block(block.group_id, block.block_hash, block.data))
     return result
 
 
 def add_blocks(repeated, blocks: list[Block]) -> None:
     """Append blocks to a message's ``repeated CacheBlock`` field in place: building the messages
-    first and passing them to a constructor copies every block's bytes twice."""
+    first and passing them to a constructor copies every block's bytes twice. Blocks held in a
+    shared-memory file go as its ``ShmFile``."""
     for b in blocks:
-        repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=b.data)
+        if isinstance(b.data, (ShmFile, ShmBlockData)):
+            repeated.add(group_id=b.group_id, block_hash=b.block_hash, shm=pb.ShmFile(name=b.data.name, size=b.data.size))
+        else:
+            repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=b.data)
 
 
 def check_put(request: pb.PutRequest) -> None:

@@ -1,20 +1,25 @@
 """The unified block pool of one cluster: prefix-cache and transfer-cache blocks, memory then SSD.
 
-Plain Python, not thread-safe (the server serializes calls). Values are immutable bytes keyed by
-content hash; the memory budget counts every stored byte of block data exactly (prefix blocks and
+Plain Python, not thread-safe (the server serializes calls). Values are immutable bytes, or files of
+the shared-memory directory (``shm.ShmBlockData``, freed here whenever the pool drops them), keyed
+by content hash; the memory budget counts every stored byte of block data exactly (prefix blocks and
 transfer blocks together). Prefix blocks are evicted least recently used first, to the SSD tier when
 there is one; transfer blocks are pinned until their single read.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 from services.cache_pool.memory import MemoryLru
+from services.cache_pool.shm import release
 from services.cache_pool.ssd import SsdTier
 from services.cache_pool.types import (
     Block, BlockKey, BlockMissingError, LookupQuery, LookupResult, PoolFullError, PoolStats, PutResult,
 )
 from services.cache_pool.usable import usable_prefix
+
+logger = logging.getLogger(__name__)
 
 
 class CachePool:
@@ -90,12 +95,15 @@ class CachePool:
     def _prefix_budget_bytes(self) -> int:
         return self.memory_budget_bytes - self._transfer_bytes
 
-    def _put_prefix_block(self, key: BlockKey, data: bytes) -> bool:
+    def _put_prefix_block(self, key: BlockKey, data) -> bool:
         if len(data) > self._prefix_budget_bytes:
+            release(data)
             return False
         if self.ssd is not None:
             self.ssd.discard(key)
         stored = self._memory.add(key, data)
+        if not stored:
+            release(data)  # the stored copy was refreshed instead
         self._evict_over_budget()
         return stored
 
@@ -129,7 +137,14 @@ class CachePool:
             key, data = self._memory.pop_oldest()
             self._counters.memory_evictions += 1
             if self.ssd is not None:
-                self.ssd.put(key, data)
+                self._spill(key, data)
+            release(data)
+
+    def _spill(self, key: BlockKey, data) -> None:
+        try:
+            self.ssd.put(key, bytes(data))
+        except OSError as exc:  # a vanished block file or a full disk: the block is simply gone
+            logger.warning("cache pool: block not spilled to SSD: %s", exc)
 
     def _count_lookup(self, query: LookupQuery, result: LookupResult) -> None:
         counters = self._counters

@@ -15,7 +15,8 @@ from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 from services.cache_pool import convert
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.pool import CachePool
-from services.cache_pool.types import BlockMissingError, PoolFullError, PoolStats
+from services.cache_pool.shm import ShmFile, ShmStore, release
+from services.cache_pool.types import Block, BlockMissingError, PoolFullError, PoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,11 @@ class PoolIdentity:
 
 
 class CachePoolServicer(pb_grpc.CachePoolServicer):
-    def __init__(self, pool: CachePool, identity: PoolIdentity) -> None:
+    def __init__(self, pool: CachePool, identity: PoolIdentity, shm: ShmStore | None = None) -> None:
+        """``shm``: the shared-memory directory offered to clients on this host (None: inline only)."""
         self._pool = pool
         self._identity = identity
+        self._shm = shm
         self._lock = threading.Lock()
         self.metrics = PoolMetrics(self.snapshot)
 
@@ -52,27 +55,64 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
 
     def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         _parsed(convert.check_put, request, context)
-        blocks = _parsed(convert.blocks_from_proto, request.blocks, context)
+        blocks = _parsed(self._adopted, _parsed(convert.blocks_from_proto, request.blocks, context), context)
         try:
             with self._lock:
                 result = self._pool.put(request.model, blocks, request.transfer_id)
         except PoolFullError as exc:
+            _release(blocks)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.PutResponse(num_blocks_stored=result.num_blocks_stored, num_bytes_stored=result.num_bytes_stored)
 
     def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
         refs = _parsed(convert.block_refs_from_proto, request, context)
+        by_file = request.shared_memory and self._shm is not None
         try:
             with self._lock:
                 if request.transfer_id:
                     blocks = self._pool.take_transfer(request.transfer_id)
                 else:
                     blocks = self._pool.get(request.model, refs)
+                    if not by_file:  # read the files while no Put can evict them
+                        blocks = [Block(b.group_id, b.block_hash, bytes(b.data)) for b in blocks]
         except BlockMissingError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
+        if request.transfer_id and not by_file:  # the transfer's files are ours to read and free
+            taken, blocks = blocks, [Block(b.group_id, b.block_hash, bytes(b.data)) for b in blocks]
+            _release(taken)
         response = pb.GetResponse()
         convert.add_blocks(response.blocks, blocks)
         return response
+
+    def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
+        response = pb.DescribeResponse(pool=self._identity.name, cluster=self._identity.cluster)
+        if self._shm is not None:
+            response.shared_memory.CopyFrom(pb.SharedMemory(
+                directory=self._shm.directory, probe_file=self._shm.probe_file, probe_token=self._shm.probe_token))
+        return response
+
+    @property
+    def shm_dir(self) -> str | None:
+        return self._shm.directory if self._shm is not None else None
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+
+    def _adopted(self, blocks: list[Block]) -> list[Block]:
+        """Blocks whose bytes came as a client's file, now the pool's (``ValueError``: none taken)."""
+        adopted: list[Block] = []
+        try:
+            for i, block in enumerate(blocks):
+                if isinstance(block.data, ShmFile):
+                    if self._shm is None:
+                        raise ValueError(f"blocks[{i}].shm: this pool offers no shared memory (send data inline)")
+                    block = Block(block.group_id, block.block_hash, self._shm.adopt(block.data.name, block.data.size))
+                adopted.append(block)
+        except ValueError:
+            _release(adopted)
+            raise
+        return adopted
 
     def GetStats(self, request: pb.CachePoolStatsRequest, context) -> pb.CachePoolStats:
         return convert.stats_to_proto(self.snapshot(), self._identity.name, self._identity.cluster,
@@ -91,13 +131,15 @@ class RunningPool:
     def stop(self, grace_s: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        self.servicer.close()
 
 
 def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: int,
-                      max_workers: int = 8) -> RunningPool:
-    """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port)."""
+                      max_workers: int = 8, shm_dir: str | None = None) -> RunningPool:
+    """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port).
+    ``shm_dir``: a tmpfs directory through which same-host clients move block bytes (see ``shm``)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
-    servicer = CachePoolServicer(pool, identity)
+    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name))
     pb_grpc.add_CachePoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -108,6 +150,22 @@ def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: 
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningPool(server, servicer, health_servicer, bound)
+
+
+def _shm_store(directory: str | None, pool_name: str) -> ShmStore | None:
+    if not directory:
+        return None
+    try:
+        return ShmStore(directory, pool_name)
+    except OSError as exc:
+        logger.warning("cache pool %s: no shared memory for same-host clients (%s); block bytes go inline",
+                       pool_name, exc)
+        return None
+
+
+def _release(blocks: list[Block]) -> None:
+    for block in blocks:
+        release(block.data)
 
 
 def _parsed(parse, message, context):

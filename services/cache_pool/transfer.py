@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import KvCacheGroup, LookupQuery
+from services.cache_pool.types import BlockMissingError, KvCacheGroup, LookupQuery
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,10 @@ class CrossClusterCopier:
         async with self._slots:
             try:
                 num_copied, num_bytes = await self._copy(source, target, block_hashes)
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("request %s: cache transfer %s -> %s failed: %s %s", request_id, source, target,
-                               exc.code().name, exc.details())
+            except (grpc.aio.AioRpcError, BlockMissingError) as exc:
+                reason = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else \
+                    "a block was evicted while it was read"
+                logger.warning("request %s: cache transfer %s -> %s failed: %s", request_id, source, target, reason)
                 self._on_failed(source, target)
                 return 0
         logger.debug("request %s: cache transfer %s -> %s copied %d blocks (%d bytes)", request_id, source, target,

@@ -64,7 +64,7 @@ class LookupResult:
 class Block:
     group_id: int
     block_hash: bytes
-    data: bytes
+    data: bytes  # inside the pool also a shared-memory file (``shm.ShmBlockData``: ``len`` and ``bytes()``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,6 +200,11 @@ class CachePoolConfig:
     ssd_dir: str | None = _opt(None, "Directory of the SSD tier (its block files are removed at start); no SSD "
                                "tier when null.")
     ssd_budget_gib: float = _opt(16.0, "Size the SSD tier's files may take in GiB.")
+    shared_memory_dir: str | None = _opt(
+        "/dev/shm", "A tmpfs directory through which workers on the pool's host move block bytes (one file per "
+        "block, copied once) instead of inside gRPC messages; clients elsewhere, or that do not see the pool's "
+        "probe file there, send bytes inline. Block files count against `memory_budget_gib`; give containers a "
+        "large enough /dev/shm. Null: always inline.")
 
     @property
     def memory_budget_bytes(self) -> int:

@@ -200,11 +200,16 @@ def test_killing_the_prefill_worker_mid_transfer_falls_back_without_leaks(cluste
     """Last in the module: it leaves the PrfaaS cluster dead."""
     ((prompt, text),) = expected["killed"]
     idle_usage = cluster.worker_stats("pd-d").kv_cache_usage
+    # The router routes on its last health poll: start only once it counts prefill-0 as up.
+    assert wait_until(lambda: cluster.metric('prfaas_router_worker_up{worker="prefill-0"}') == 1, 30)
+    routed_before = cluster.routed("prfaas")
     result: list[str] = []
     client = threading.Thread(target=lambda: result.extend(_completions(cluster.base_url, [prompt])))
     client.start()
     # Kill a few chunks into the prefill (it takes seconds here): some layers' KV has left, not all.
-    assert wait_until(lambda: cluster.worker_stats("prefill-0").num_active_requests == 1, 60, interval_s=0.02)
+    assert wait_until(lambda: cluster.worker_stats("prefill-0").num_active_requests == 1, 60, interval_s=0.02), \
+        (f"the request never ran on prefill-0 (prfaas routes {routed_before} -> {cluster.routed('prfaas')}); "
+         f"logs:\n{cluster.logs()}")
     time.sleep(0.5)
     cluster.kill("prefill-0")
     client.join(timeout=300)

@@ -1,5 +1,6 @@
 """`prfaas cache-pool` as a separate process over real gRPC, and the global index over in-process pools."""
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -15,13 +16,16 @@ from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 from support.cache_pool import BLOCK_SIZE, FULL, LINEAR, MODEL, hashes, payload, prompt, query
 from support.ports import free_port
 
+from services.cache_pool.client import CachePoolClient
 from services.cache_pool.index import GlobalCacheIndex
 from services.cache_pool.pool import CachePool
 from services.cache_pool.server import GRPC_OPTIONS, PoolIdentity, start_pool_server
+from services.cache_pool.shm import ShmStore, same_host_directory
 from services.cache_pool.types import Block
 
 BUDGET_BYTES = 32 << 20
 BLOCK_BYTES = 64 << 10
+SHM_DIR = "/dev/shm"  # the pool's default shared-memory directory
 # Python, grpc, protobuf and prometheus_client (~48 MiB RSS, measured at start) are outside the budget;
 # on top of them the process may use this much for gRPC message buffers, per-block bookkeeping and
 # allocator slack (measured: 9-13 MiB with a 32 MiB budget of 64 KiB blocks).
@@ -46,7 +50,7 @@ def pool_process(tmp_path):
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
     try:
         _wait_serving(channel, process)
-        yield process, pb_grpc.CachePoolStub(channel), metrics_port
+        yield process, pb_grpc.CachePoolStub(channel), metrics_port, f"127.0.0.1:{port}"
     finally:
         channel.close()
         if process.poll() is None:
@@ -81,7 +85,7 @@ def _put(stub, group_id, block_hashes, size=BLOCK_BYTES, **kwargs):
 
 
 def test_service_process_put_lookup_get_stats_and_memory_bound(pool_process):
-    process, stub, metrics_port = pool_process
+    process, stub, metrics_port, _ = pool_process
     stored = hashes(prompt(8, shared=6, seed=1))
     assert _put(stub, 1, stored).num_blocks_stored == 8
     _put(stub, 0, [stored[3], stored[7]])
@@ -152,3 +156,83 @@ def test_global_index_answers_per_cluster_and_neutral_for_a_dead_pool():
 
 def _block(group_id, block_hash):
     return Block(group_id, block_hash, payload(block_hash, group_id))
+
+
+def _pool_files(pool: str = "pool-local") -> dict[str, int]:
+    return {entry.name: entry.stat().st_size for entry in os.scandir(SHM_DIR)
+            if entry.name.startswith(f"prfaas-pool-{pool}-") and not entry.name.endswith("-probe")}
+
+
+def _blocks(seed: int, count: int = 16) -> list[Block]:
+    return [Block(1, h, payload(h, 1, BLOCK_BYTES)) for h in hashes(prompt(count, seed=seed))]
+
+
+def test_a_client_on_the_pools_host_moves_block_bytes_through_shared_memory_within_the_budget(pool_process):
+    process, stub, _, address = pool_process
+    before = set(os.listdir(SHM_DIR))
+
+    async def run():
+        client = CachePoolClient(address)
+        try:
+            assert await client.shared_memory_dir() == os.path.realpath(SHM_DIR)
+            blocks = _blocks(seed=1)
+            assert (await client.put(MODEL, blocks)).num_blocks_stored == 16
+            files = _pool_files()
+            assert len(files) == 16 and sum(files.values()) == 16 * BLOCK_BYTES  # the bytes are the pool's files
+            assert not [n for n in os.listdir(SHM_DIR) if n.startswith("prfaas-put-")]  # every file was taken over
+            got = await client.get(MODEL, [(b.group_id, b.block_hash) for b in blocks])
+            assert [b.data for b in got] == [b.data for b in blocks]
+            assert (await client.put(MODEL, blocks)).num_blocks_stored == 0  # refreshed: the new files are freed
+            assert len(_pool_files()) == 16
+
+            transfer = _blocks(seed=2, count=3)
+            await client.put(MODEL, transfer, transfer_id="req-9")
+            assert [b.data for b in await client.take_transfer(MODEL, "req-9")] == [b.data for b in transfer]
+            assert len(_pool_files()) == 16  # the transfer's files were read and removed
+
+            baseline = _rss_bytes(process.pid)
+            for seed in range(10, 10 + 64):  # 64 × 1 MiB of distinct prompts: twice the memory budget
+                await client.put(MODEL, _blocks(seed))
+            stats = await client.stats()
+            assert stats.memory_evictions > 0 and stats.memory_bytes <= BUDGET_BYTES
+            assert sum(_pool_files().values()) == stats.memory_bytes  # the files are the memory tier
+            assert _rss_bytes(process.pid) <= baseline + RSS_OVERHEAD_BYTES  # the bytes never entered the process
+
+            inline = CachePoolClient(address, shared_memory=False)
+            latest = _blocks(seed=10 + 63)
+            assert [b.data for b in await inline.get(MODEL, [(1, b.block_hash) for b in latest])] == \
+                [b.data for b in latest]
+            await inline.close()
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    held = stub.GetStats(pb.CachePoolStatsRequest()).memory_blocks
+    for name in ("../etc/passwd", "prfaas-put-missing", "prfaas-pool-pool-local-1-x-0"):
+        request = pb.PutRequest(model=MODEL, blocks=[pb.CacheBlock(group_id=1, block_hash=b"h" * 16,
+                                                                   shm=pb.ShmFile(name=name, size=BLOCK_BYTES))])
+        _expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Put, request)
+    assert stub.GetStats(pb.CachePoolStatsRequest()).memory_blocks == held == BUDGET_BYTES // BLOCK_BYTES
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(15) == 0
+    assert set(os.listdir(SHM_DIR)) - before == set() and not _pool_files()  # blocks and probe removed
+
+
+def test_block_files_of_a_killed_pool_are_removed_when_a_pool_of_that_name_starts(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"prfaas-pool-pool-x-{int(dead.stdout)}-abcd-0"
+    stale.write_bytes(b"old block")
+    alive = tmp_path / f"prfaas-pool-pool-x-{os.getpid()}-ef01-0"
+    alive.write_bytes(b"a running pool's block")
+    store = ShmStore(tmp_path, "pool-x")
+    assert not stale.exists() and alive.exists()
+    assert same_host_directory(str(tmp_path), store.probe_file, store.probe_token) == str(tmp_path)
+    assert same_host_directory(str(tmp_path), store.probe_file, b"another pool's token") is None
+    assert same_host_directory("/nonexistent", store.probe_file, store.probe_token) is None
+    with pytest.raises(ValueError, match="holds 9 bytes"):
+        (tmp_path / "prfaas-put-1").write_bytes(b"123456789")
+        store.adopt("prfaas-put-1", 10)
+    adopted = store.adopt("prfaas-put-1", 9)
+    assert bytes(adopted) == b"123456789" and not (tmp_path / "prfaas-put-1").exists()
+    store.close()
+    assert not os.path.exists(adopted.path) and alive.exists()

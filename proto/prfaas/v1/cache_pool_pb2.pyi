@@ -16,6 +16,38 @@ GROUP_KIND_UNSPECIFIED: GroupKind
 GROUP_KIND_FULL_ATTENTION: GroupKind
 GROUP_KIND_LINEAR_ATTENTION: GroupKind
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("pool", "cluster", "shared_memory")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    cluster: str
+    shared_memory: SharedMemory
+    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+
+class SharedMemory(_message.Message):
+    __slots__ = ("directory", "probe_file", "probe_token")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FILE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    probe_file: str
+    probe_token: bytes
+    def __init__(self, directory: _Optional[str] = ..., probe_file: _Optional[str] = ..., probe_token: _Optional[bytes] = ...) -> None: ...
+
+class ShmFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class KvCacheGroup(_message.Message):
     __slots__ = ("group_id", "kind")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -51,14 +83,16 @@ class LookupResponse(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., num_usable_blocks: _Optional[int] = ..., num_usable_tokens: _Optional[int] = ..., num_full_attention_blocks: _Optional[int] = ...) -> None: ...
 
 class CacheBlock(_message.Message):
-    __slots__ = ("group_id", "block_hash", "data")
+    __slots__ = ("group_id", "block_hash", "data", "shm")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     block_hash: bytes
     data: bytes
-    def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm: ShmFile
+    def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("model", "blocks", "transfer_id")
@@ -87,14 +121,16 @@ class CacheBlockRef(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("model", "blocks", "transfer_id")
+    __slots__ = ("model", "blocks", "transfer_id", "shared_memory")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     model: str
     blocks: _containers.RepeatedCompositeFieldContainer[CacheBlockRef]
     transfer_id: str
-    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., transfer_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("blocks",)

@@ -54,6 +54,11 @@ class CachePoolStub:
                 request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStatsRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStats.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/prfaas.v1.CachePool/Describe',
+                request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class CachePoolServicer:
@@ -93,6 +98,14 @@ class CachePoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Who the pool is and whether it offers shared memory: a client that can read the probe file
+        with the token in it shares the pool's tmpfs and may use ShmFile blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CachePoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +128,11 @@ def add_CachePoolServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStatsRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStats.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +243,33 @@ class CachePool:
             '/prfaas.v1.CachePool/GetStats',
             prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStatsRequest.SerializeToString,
             prfaas_dot_v1_dot_cache__pool__pb2.CachePoolStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.CachePool/Describe',
+            prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.SerializeToString,
+            prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,9 @@ class ByteBudget:
             return ok
 
     def release(self, num_bytes: int) -> None:
+        """Waiters are woken once a quarter of the budget is free (or none is used), not for every
+        release: a waiter woken per frame would trade the CPU with the releasing thread per frame."""
         with self._cond:
             self.used -= num_bytes
-            self._cond.notify_all()
+            if self.used == 0 or self.limit - self.used >= self.limit // 4:
+                self._cond.notify_all()

@@ -1,17 +1,22 @@
 """The sending half: a pool of connections to one peer, striping frames across them.
 
-Frames go into one queue per peer; each connection's thread takes the next frame when its socket
-is free, so a slow connection simply carries fewer frames. Queued bytes are bounded: ``send``
-blocks the caller while the peer is behind (backpressure) and fails the transfer after
-``send_timeout_s``. A connection error fails every transfer that used it; the receiver learns
-through an ABORT frame on another connection (or, at the latest, its idle timeout).
+Frames go into one queue per peer. One I/O thread per peer drives all its connections without
+blocking (epoll): a connection with no frame in hand takes the next one from the queue, and one
+whose socket is full waits for room, so a slow connection simply carries fewer frames. With
+``TCP_NOTSENT_LOWAT`` a socket reports room only while little is queued in it, so frames go to the
+connections that are moving. One thread instead of one per connection: on a busy core, blocking
+threads cost a wake-up and a switch per frame. Queued bytes are bounded: ``send`` blocks the caller
+while the peer is behind (backpressure) and fails the transfer after ``send_timeout_s``. A
+connection error fails every transfer that used it; the receiver learns through an ABORT frame on
+another connection (or, at the latest, its idle timeout).
 """
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections import deque
@@ -25,6 +30,7 @@ from services.kv_transport.telemetry import Clock, PeerTelemetry, tcp_info
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = 1.0
+IO_POLL_S = 0.5  # longest wait for socket room before stalled connections are checked
 
 
 @dataclass(slots=True)
@@ -60,11 +66,10 @@ class PeerLink:
         self._transfers: dict[str, _Transfer] = {}
         self._closed = False
         self._unreachable_until = 0.0
-        self._threads = [threading.Thread(target=self._connection_loop, args=(i,), daemon=True,
-                                          name=f"prfaas-kv-send-{i}")
-                         for i in range(settings.connections_per_peer)]
-        for thread in self._threads:
-            thread.start()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._want_wake = False
+        self._thread = threading.Thread(target=self._io_loop, daemon=True, name="prfaas-kv-send")
+        self._thread.start()
 
     # Called by the user (any thread) ------------------------------------------------------------
 
@@ -88,6 +93,14 @@ class PeerLink:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt the I/O thread's wait for socket room: there is a new frame to hand out."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending (pipe full), or the thread has exited
 
     # Internals -----------------------------------------------------------------------------------
 
@@ -109,45 +122,135 @@ class PeerLink:
         with self._cond:
             self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks))
             self._cond.notify()
+        if self._want_wake:
+            self._wake()
 
-    def _next(self) -> _Outgoing | None:
+    def _pop(self) -> _Outgoing | None:
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._closed)
             return self._queue.popleft() if self._queue else None
 
-    def _connection_loop(self, conn_id: int) -> None:
-        sock, used_by = None, set()
-        sample = Clock(self._settings.telemetry_interval_s)
-        while (item := self._next()) is not None:
+    def _wait_for_work(self) -> bool:
+        """Block while nothing is queued; False once closed with nothing left."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._closed)
+            return bool(self._queue)
+
+    def _io_loop(self) -> None:
+        conns = [_Connection(i, Clock(self._settings.telemetry_interval_s))
+                 for i in range(self._settings.connections_per_peer)]
+        poller = select.epoll()
+        poller.register(self._wake_r, select.EPOLLIN)
+        writable: set[int] = set()
+        try:
+            while True:
+                busy = False
+                for conn in conns:
+                    if conn.watched and conn.sock.fileno() not in writable:
+                        busy = True  # still no room: no point trying
+                    else:
+                        busy |= self._drive(conn, poller)
+                if busy:
+                    # A new frame needs a wake-up only while some connection is idle; the flag is
+                    # set before the queue is looked at again, so no frame waits out a poll.
+                    self._want_wake = any(conn.item is None for conn in conns)
+                    if self._want_wake and self._queue:
+                        writable = set()
+                        continue
+                    writable = {fd for fd, _ in poller.poll(IO_POLL_S)}
+                    self._want_wake = False
+                    if self._wake_r in writable:
+                        _drain(self._wake_r)
+                    self._check_stalled(conns, poller)
+                elif not self._wait_for_work():
+                    break
+                else:
+                    writable = set()
+        finally:
+            for conn in conns:
+                if conn.sock is not None:
+                    conn.sock.close()
+            poller.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _drive(self, conn: "_Connection", poller) -> bool:
+        """Send what this connection can without blocking, taking new frames while its socket has
+        room; True while it holds a frame it could not finish (it waits for room)."""
+        while True:
+            if conn.item is None and not self._take(conn, poller):
+                return False
             try:
-                if item.kind != ABORT and self._is_failed(item.transfer_id, drop=item.kind == END):
+                if not _send_some(conn.sock, conn.views):
+                    conn.waiting_since = conn.waiting_since or time.monotonic()
+                    if not conn.watched:
+                        poller.modify(conn.sock, select.EPOLLOUT)
+                        conn.watched = True
+                    return True
+            except (OSError, ssl.SSLError) as exc:
+                self._drop(conn, poller, f"KV connection to {self.peer} failed: {exc}")
+                continue
+            conn.waiting_since = 0.0
+            if conn.watched:
+                poller.modify(conn.sock, 0)
+                conn.watched = False
+            self._sent(conn)
+
+    def _take(self, conn: "_Connection", poller) -> bool:
+        """Give an idle connection the next frame to send (connecting first when needed)."""
+        while (item := self._pop()) is not None:
+            if item.kind != ABORT and self._is_failed(item.transfer_id, drop=item.kind == END):
+                self._release(item)
+                continue
+            if conn.sock is None:
+                try:
+                    conn.sock = self._connect()
+                except (OSError, HandshakeRefused) as exc:
+                    self._release(item)
+                    self._fail(item.transfer_id, f"KV connection to {self.peer} failed: {exc}")
                     continue
-                if sock is None:
-                    sock = self._connect()
-                    used_by = set()
-                used_by.add(item.transfer_id)
-                header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
-                                       item.num_blocks, item.seq, item.payload)
-                _send_parts(sock, header, item.payload)
-                self.telemetry.on_sent(conn_id, len(header) + len(item.payload))
-                if sample.due():
-                    self.telemetry.on_sample(conn_id, tcp_info(sock))
-                if item.kind == END:
-                    self._complete(item.transfer_id)
-                    used_by.discard(item.transfer_id)
-            except (OSError, HandshakeRefused) as exc:
-                reason = f"KV connection to {self.peer} failed: {exc}"
-                if sock is not None:
-                    sock.close()
-                    sock = None
-                    self.telemetry.on_closed(conn_id)
-                for transfer_id in used_by | {item.transfer_id}:
-                    self._fail(transfer_id, reason)
-            finally:
-                if item.kind != ABORT:
-                    self._budget.release(len(item.payload))
-        if sock is not None:
-            sock.close()
+                poller.register(conn.sock, 0)
+                conn.used_by = set()
+            conn.used_by.add(item.transfer_id)
+            header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
+                                   item.num_blocks, item.seq, item.payload)
+            conn.item, conn.size = item, len(header) + len(item.payload)
+            conn.views = [memoryview(header)] + ([memoryview(item.payload).cast("B")] if len(item.payload) else [])
+            return True
+        return False
+
+    def _sent(self, conn: "_Connection") -> None:
+        item, conn.item, conn.views = conn.item, None, []
+        self.telemetry.on_sent(conn.conn_id, conn.size)
+        if conn.clock.due():
+            self.telemetry.on_sample(conn.conn_id, tcp_info(conn.sock))
+        if item.kind == END:
+            self._complete(item.transfer_id)
+            conn.used_by.discard(item.transfer_id)
+        self._release(item)
+
+    def _drop(self, conn: "_Connection", poller, reason: str) -> None:
+        """A broken connection: close it and fail every transfer that used it."""
+        item, conn.item, conn.views = conn.item, None, []
+        failed = conn.used_by | ({item.transfer_id} if item is not None else set())
+        poller.unregister(conn.sock)
+        conn.sock.close()
+        conn.sock, conn.watched, conn.waiting_since, conn.used_by = None, False, 0.0, set()
+        self.telemetry.on_closed(conn.conn_id)
+        if item is not None:
+            self._release(item)
+        for transfer_id in failed:
+            self._fail(transfer_id, reason)
+
+    def _check_stalled(self, conns: list["_Connection"], poller) -> None:
+        now = time.monotonic()
+        for conn in conns:
+            if conn.waiting_since and now - conn.waiting_since > self._settings.io_timeout_s:
+                self._drop(conn, poller, f"KV connection to {self.peer} made no progress for "
+                                         f"{self._settings.io_timeout_s:.0f} s")
+
+    def _release(self, item: _Outgoing) -> None:
+        if item.kind != ABORT:
+            self._budget.release(len(item.payload))
 
     def _connect(self) -> socket.socket:
         if time.monotonic() < self._unreachable_until:
@@ -160,14 +263,7 @@ class PeerLink:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
             client_handshake(sock, self._settings.secret_bytes)
-            if self._tls is None:
-                # Blocking with a kernel timeout: one sendmsg moves a whole frame, where Python's own
-                # socket timeouts cost a poll and a send per buffer-full.
-                sock.settimeout(None)
-                seconds = int(self._settings.io_timeout_s)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
-            else:
-                sock.settimeout(self._settings.io_timeout_s)
+            sock.setblocking(False)
             return sock
         except (OSError, HandshakeRefused) as exc:
             if sock is not None:
@@ -199,24 +295,48 @@ class PeerLink:
             transfer.failed = reason
             self._queue.appendleft(_Outgoing(ABORT, transfer_id, 0, memoryview(reason.encode()[:1024])))
             self._cond.notify()
+        if self._want_wake:
+            self._wake()
         self.telemetry.on_transfer(False, 0, 0.0)
         logger.warning("request %s: KV send failed: %s", transfer_id, reason)
 
 
-def _send_parts(sock: socket.socket, *parts) -> None:
-    if isinstance(sock, ssl.SSLSocket):
-        for part in parts:
-            sock.sendall(part)
-        return
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+@dataclass(slots=True)
+class _Connection:
+    conn_id: int
+    clock: Clock
+    sock: socket.socket | None = None
+    item: _Outgoing | None = None
+    views: list = field(default_factory=list)   # what is left to send of ``item`` (header, payload)
+    size: int = 0
+    used_by: set = field(default_factory=set)   # transfers with frames sent on this socket
+    watched: bool = False                        # registered for EPOLLOUT
+    waiting_since: float = 0.0                   # blocked on a full socket since (0: not blocked)
+
+
+def _send_some(sock: socket.socket, views: list) -> bool:
+    """Send from ``views`` (consumed in place) until done (True) or the socket is full (False)."""
+    tls = isinstance(sock, ssl.SSLSocket)
     while views:
-        sent = sock.sendmsg(views)
+        try:
+            sent = sock.send(views[0]) if tls else sock.sendmsg(views)
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            return False
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+    return True
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _parse_peer(peer: str) -> tuple[str, int]:

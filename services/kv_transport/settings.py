@@ -52,6 +52,9 @@ class TransportSettings:
             if expected in (int, float) and value <= 0:
                 raise ConfigError(f"transport.{key}: must be positive, got {value!r}")
         settings = cls(**raw)
+        if settings.notsent_lowat_bytes >= 1 << 31:
+            raise ConfigError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
+                              "kernel's socket option (below 2 GiB)")
         if settings.frame_bytes > settings.max_frame_bytes:
             raise ConfigError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
                               f"({settings.max_frame_bytes}), which receivers would refuse")

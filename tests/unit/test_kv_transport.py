@@ -176,9 +176,14 @@ def test_mutual_tls(pair, tmp_path):
                                  tls_key=str(tmp_path / "node.key"), tls_ca=str(tmp_path / "ca.pem"))
     rx, tx, peer = pair(settings, settings)
     tx.send(peer, "t-6", 0, 0, 0, 4, os.urandom(4 * 4096))
+    payload = os.urandom(64 << 20)  # 128 frames: non-blocking TLS writes fill the sockets
+    tx.send(peer, "t-6", 1, 0, 0, 1024, payload)
     tx.finish(peer, "t-6")
     frames, end = collect(rx, "t-6")
-    assert isinstance(end, TransferDone) and len(frames[0].payload) == 4 * 4096
+    small = [f for f in frames if f.layer == 0]
+    large = sorted((f for f in frames if f.layer == 1), key=lambda f: f.block_start)
+    assert isinstance(end, TransferDone) and [len(f.payload) for f in small] == [4 * 4096]
+    assert b"".join(bytes(f.payload) for f in large) == payload
 
 
 @pytest.mark.parametrize("raw, error", [
@@ -186,6 +191,7 @@ def test_mutual_tls(pair, tmp_path):
     ({"connections": 8}, "transport.connections: unknown key"),
     ({"io_timeout_s": "fast"}, "transport.io_timeout_s: expected float"),
     ({"tls_cert": "a.pem"}, "transport.tls_cert: tls_cert, tls_key and tls_ca go together"),
+    ({"notsent_lowat_bytes": 1 << 32}, "transport.notsent_lowat_bytes: .*below 2 GiB"),
 ])
 def test_settings_errors_name_the_key(raw, error):
     with pytest.raises(ConfigError, match=error):

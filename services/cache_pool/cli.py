@@ -41,15 +41,17 @@ def _run(args) -> int:
                  if v is not None}
     pool_config = dataclasses.replace(pool_config, **overrides)
     setup_logging(pool_config.name, args.log_level or config.logging.level, config.logging.json)
+    from services.kv_transport.settings import TransportSettings
+
     try:
-        serve_cache_pool(pool_config)
+        serve_cache_pool(pool_config, TransportSettings.of(config.transport))
     except OSError as exc:
         logger.error("cache pool %s cannot start: %s", pool_config.name, exc)
         return 1
     return 0
 
 
-def serve_cache_pool(config, grace_s: float = 5.0) -> None:
+def serve_cache_pool(config, transport=None, grace_s: float = 5.0) -> None:
     """Serve until SIGTERM or SIGINT, then give in-flight calls ``grace_s`` to finish."""
     from services.cache_pool.pool import CachePool
     from services.cache_pool.server import PoolIdentity, start_pool_server
@@ -58,16 +60,16 @@ def serve_cache_pool(config, grace_s: float = 5.0) -> None:
     ssd = SsdTier(config.ssd_dir, config.ssd_budget_bytes) if config.ssd_dir else None
     pool = CachePool(config.memory_budget_bytes, ssd)
     running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port,
-                                shm_dir=config.shared_memory_dir)
+                                shm_dir=config.shared_memory_dir, kv_port=config.kv_port, transport=transport)
     if config.metrics_port is not None:
         running.servicer.metrics.start_http_server(config.host, config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s, shared memory %s",
-                config.name, config.cluster, config.host, running.port, config.memory_budget_bytes,
+    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s, shared memory %s, "
+                "KV port %s", config.name, config.cluster, config.host, running.port, config.memory_budget_bytes,
                 f"{config.ssd_dir} ({config.ssd_budget_bytes} B)" if ssd else "off",
-                running.servicer.shm_dir or "off")
+                running.servicer.shm_dir or "off", running.servicer.kv_port or "off")
     stop.wait()
     logger.info("cache pool %s stopping", config.name)
     running.stop(grace_s)

@@ -37,23 +37,51 @@ class CachePoolClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.CachePoolStub(self._channel)
+        self._shared_memory = shared_memory
+        self._described: pb.DescribeResponse | None = None
         self._shm_dir: str | None = None
-        self._shm_known = not shared_memory
         self._names = itertools.count()
         self._token = secrets.token_hex(4)
 
-    async def shared_memory_dir(self) -> str | None:
-        """The pool's shared-memory directory when this process shares it (asked once), else None."""
-        if not self._shm_known:
+    async def describe(self) -> pb.DescribeResponse:
+        """The pool's ``Describe`` answer (asked once; a pool without the call offers nothing)."""
+        if self._described is None:
             try:
-                info = (await self._stub.Describe(pb.DescribeRequest())).shared_memory
+                described = await self._stub.Describe(pb.DescribeRequest())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
-                info = pb.SharedMemory()
-            self._shm_dir = shm.same_host_directory(info.directory, info.probe_file, info.probe_token)
-            self._shm_known = True
+                described = pb.DescribeResponse()
+            info = described.shared_memory
+            if self._shared_memory:
+                self._shm_dir = shm.same_host_directory(info.directory, info.probe_file, info.probe_token)
+            self._described = described
+        return self._described
+
+    async def shared_memory_dir(self) -> str | None:
+        """The pool's shared-memory directory when this process shares it, else None."""
+        await self.describe()
         return self._shm_dir
+
+    async def kv_address(self) -> str | None:
+        """``host:port`` of the pool's KV transport listener (its gRPC host), None when it has none."""
+        kv_port = (await self.describe()).kv_port
+        return f"{self.address.rpartition(':')[0]}:{kv_port}" if kv_port else None
+
+    async def push(self, model: str, refs: Sequence[tuple[int, bytes]], kv_target: str, kv_transfer_id: str) -> PutResult:
+        """Have the pool send these blocks to another pool's KV listener (``kv_address``), which
+        stores them on ``put_pushed`` with the same ``kv_transfer_id``."""
+        response = await self._stub.Push(pb.PushRequest(
+            model=model, kv_target=kv_target, kv_transfer_id=kv_transfer_id,
+            blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in refs]))
+        return PutResult(response.num_blocks, response.num_bytes)
+
+    async def put_pushed(self, model: str, refs: Sequence[tuple[int, bytes]], kv_transfer_id: str) -> PutResult:
+        """Store the blocks another pool pushes here as ``kv_transfer_id`` (waits for them)."""
+        request = pb.PutRequest(model=model, kv_transfer_id=kv_transfer_id,
+                                blocks=[pb.CacheBlock(group_id=g, block_hash=h) for g, h in refs])
+        response = await self._stub.Put(request)
+        return PutResult(response.num_blocks_stored, response.num_bytes_stored)
 
     async def lookup(self, query: LookupQuery, timeout_s: float | None = None) -> LookupResult:
         response = await self._stub.Lookup(convert.lookup_query_to_proto(query), timeout=timeout_s)

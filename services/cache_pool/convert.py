@@ -78,6 +78,27 @@ def check_put(request: pb.PutRequest) -> None:
         raise ValueError("blocks is empty")
 
 
+def transfer_block_refs(blocks) -> list[tuple[int, bytes]]:
+    """The blocks of a Put whose bytes come over the KV transport: keys only."""
+    for i, block in enumerate(blocks):
+        _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
+        if block.data or block.HasField("shm"):
+            raise ValueError(f"blocks[{i}]: no data or shm with kv_transfer_id (the bytes come over the KV transport)")
+    return [(b.group_id, b.block_hash) for b in blocks]
+
+
+def check_push(request: pb.PushRequest) -> None:
+    _check_model(request.model)
+    if not request.blocks:
+        raise ValueError("blocks is empty")
+    _check_hashes([b.block_hash for b in request.blocks], "blocks[].block_hash")
+    host, _, port = request.kv_target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"kv_target {request.kv_target!r} is not host:port")
+    if not request.kv_transfer_id or len(request.kv_transfer_id.encode()) > 255:
+        raise ValueError("kv_transfer_id must be 1 to 255 bytes")
+
+
 def block_refs_from_proto(request: pb.GetRequest) -> list[tuple[int, bytes]]:
     _check_model(request.model)
     if request.transfer_id:

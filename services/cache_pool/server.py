@@ -13,10 +13,12 @@ from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
 from services.cache_pool import convert
+from services.cache_pool.inbox import TransferError, TransferInbox
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.pool import CachePool
 from services.cache_pool.shm import ShmFile, ShmStore, release
 from services.cache_pool.types import Block, BlockMissingError, PoolFullError, PoolStats
+from services.kv_transport import KVTransport, TransportSettings
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +35,14 @@ class PoolIdentity:
 
 
 class CachePoolServicer(pb_grpc.CachePoolServicer):
-    def __init__(self, pool: CachePool, identity: PoolIdentity, shm: ShmStore | None = None) -> None:
-        """``shm``: the shared-memory directory offered to clients on this host (None: inline only)."""
+    def __init__(self, pool: CachePool, identity: PoolIdentity, shm: ShmStore | None = None,
+                 inbox: TransferInbox | None = None) -> None:
+        """``shm``: the shared-memory directory offered to clients on this host (None: inline only).
+        ``inbox``: the pool's KV transport, for pool-to-pool copies (None: Push and kv Puts refused)."""
         self._pool = pool
         self._identity = identity
         self._shm = shm
+        self._inbox = inbox
         self._lock = threading.Lock()
         self.metrics = PoolMetrics(self.snapshot)
 
@@ -55,7 +60,10 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
 
     def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         _parsed(convert.check_put, request, context)
-        blocks = _parsed(self._adopted, _parsed(convert.blocks_from_proto, request.blocks, context), context)
+        if request.kv_transfer_id:
+            blocks = self._received(request, context)
+        else:
+            blocks = _parsed(self._adopted, _parsed(convert.blocks_from_proto, request.blocks, context), context)
         try:
             with self._lock:
                 result = self._pool.put(request.model, blocks, request.transfer_id)
@@ -84,12 +92,37 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         convert.add_blocks(response.blocks, blocks)
         return response
 
+    def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
+        if self._inbox is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pool has no KV transport (set its kv_port)")
+        _parsed(convert.check_push, request, context)
+        refs = [(b.group_id, b.block_hash) for b in request.blocks]
+        try:
+            with self._lock:
+                blocks = [Block(b.group_id, b.block_hash, bytes(b.data)) for b in self._pool.get(request.model, refs)]
+        except BlockMissingError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
+        transport = self._inbox.transport
+        for i, block in enumerate(blocks):
+            transport.send(request.kv_target, request.kv_transfer_id, i, block.group_id, 0, 1, block.data)
+        transport.finish(request.kv_target, request.kv_transfer_id)
+        return pb.PushResponse(num_blocks=len(blocks), num_bytes=sum(len(b.data) for b in blocks))
+
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
-        response = pb.DescribeResponse(pool=self._identity.name, cluster=self._identity.cluster)
+        response = pb.DescribeResponse(pool=self._identity.name, cluster=self._identity.cluster,
+                                       kv_port=self._inbox.transport.port if self._inbox else 0)
         if self._shm is not None:
             response.shared_memory.CopyFrom(pb.SharedMemory(
                 directory=self._shm.directory, probe_file=self._shm.probe_file, probe_token=self._shm.probe_token))
         return response
+
+    @property
+    def kv_bytes_received(self) -> int:
+        return self._inbox.transport.snapshot()["bytes_received"] if self._inbox is not None else 0
+
+    @property
+    def kv_port(self) -> int | None:
+        return self._inbox.transport.port if self._inbox is not None else None
 
     @property
     def shm_dir(self) -> str | None:
@@ -98,6 +131,25 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
     def close(self) -> None:
         if self._shm is not None:
             self._shm.close()
+        if self._inbox is not None:
+            self._inbox.close()
+
+    def _received(self, request: pb.PutRequest, context) -> list[Block]:
+        """The blocks of a Put whose bytes another pool pushed over the KV transport."""
+        if self._inbox is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pool has no KV transport (set its kv_port)")
+        refs = _parsed(convert.transfer_block_refs, request.blocks, context)
+        try:
+            frames = self._inbox.take(request.kv_transfer_id, self._inbox.transport.settings.recv_idle_timeout_s,
+                                      context.is_active)
+        except TransferError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        by_index = {frame.layer: frame for frame in frames}
+        if len(frames) != len(refs) or sorted(by_index) != list(range(len(refs))) or any(
+                by_index[i].group != group_id or by_index[i].num_blocks != 1 for i, (group_id, _) in enumerate(refs)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KV transfer {request.kv_transfer_id} does not carry "
+                          f"one frame per block of the Put ({len(frames)} frames, {len(refs)} blocks)")
+        return [Block(group_id, block_hash, bytes(by_index[i].payload)) for i, (group_id, block_hash) in enumerate(refs)]
 
     def _adopted(self, blocks: list[Block]) -> list[Block]:
         """Blocks whose bytes came as a client's file, now the pool's (``ValueError``: none taken)."""
@@ -135,11 +187,19 @@ class RunningPool:
 
 
 def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: int,
-                      max_workers: int = 8, shm_dir: str | None = None) -> RunningPool:
+                      max_workers: int = 8, shm_dir: str | None = None, kv_port: int | None = None,
+                      transport: TransportSettings | None = None) -> RunningPool:
     """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port).
-    ``shm_dir``: a tmpfs directory through which same-host clients move block bytes (see ``shm``)."""
+    ``shm_dir``: a tmpfs directory through which same-host clients move block bytes (see ``shm``).
+    ``kv_port``: listen there (0: any free port) with a KV transport of ``transport`` settings, for
+    copies from and to other pools (see ``inbox``)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
-    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name))
+    inbox = None
+    if kv_port is not None:
+        settings = transport or TransportSettings()
+        inbox = TransferInbox(KVTransport(settings, listen_host=host, listen_port=kv_port),
+                              settings.recv_idle_timeout_s)
+    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name), inbox)
     pb_grpc.add_CachePoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -175,8 +235,8 @@ def _parsed(parse, message, context):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
-def _missing_message(request: pb.GetRequest, missing) -> str:
-    if request.transfer_id:
+def _missing_message(request, missing) -> str:
+    if getattr(request, "transfer_id", ""):
         return f"no transfer {request.transfer_id!r} (never put, or already read)"
     _, group_id, block_hash = missing
     return (f"block group {group_id} hash {block_hash.hex()[:16]}… of model {request.model!r} is not stored "

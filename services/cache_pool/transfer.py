@@ -6,6 +6,9 @@ sits in the cluster that will not prefill it (``services.scheduling.offload``). 
 part crosses: the target pool is asked first how much of the prefix it holds, then the source pool
 is read for the full-attention blocks after that and for the linear-attention states at the
 prefix's last block (a state is valid only at its exact position), and the target stores them.
+When both pools have a KV transport (``kv_port``), the bytes go pool to pool over it: the target
+is told which blocks to expect (a Put with ``kv_transfer_id``) while the source pushes them, so
+they never pass through the router; otherwise the router reads and writes them over gRPC.
 Transfers run in the background and never fail a request: the prefill may start before the copy
 lands, and then recomputes what it does not find.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -77,8 +81,20 @@ class CrossClusterCopier:
             return 0, 0
         refs = [(g, h) for h in block_hashes[held.num_full_attention_blocks:] for g in query.full_group_ids]
         refs += [(g, block_hashes[-1]) for g in query.linear_group_ids]
-        blocks = await self._clients[source].get(self._model, refs)
-        await self._clients[target].put(self._model, blocks)
+        source_client, target_client = self._clients[source], self._clients[target]
+        kv_target = await target_client.kv_address()
+        if kv_target is not None and await source_client.kv_address() is not None:
+            # Pool to pool over the KV transport; the router only makes the two calls.
+            transfer_id = f"cache-copy-{uuid.uuid4().hex}"
+            stored = asyncio.ensure_future(target_client.put_pushed(self._model, refs, transfer_id))
+            try:
+                pushed = await source_client.push(self._model, refs, kv_target, transfer_id)
+                await stored
+            finally:
+                stored.cancel()
+            return pushed.num_blocks_stored, pushed.num_bytes_stored
+        blocks = await source_client.get(self._model, refs)
+        await target_client.put(self._model, blocks)
         return len(blocks), sum(len(b.data) for b in blocks)
 
     async def close(self) -> None:

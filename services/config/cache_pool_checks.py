@@ -17,7 +17,7 @@ def check_cache_pools(config) -> None:
             raise ConfigError(f"{path}.cluster: cluster {pool.cluster!r} already has a cache pool")
         names.add(pool.name)
         clusters.add(pool.cluster)
-        for key in ("port", "metrics_port"):
+        for key in ("port", "metrics_port", "kv_port"):
             _check_port(pool, key, path, taken)
         for key in ("memory_budget_gib", "ssd_budget_gib"):
             if getattr(pool, key) <= 0:

@@ -200,6 +200,10 @@ class CachePoolConfig:
     ssd_dir: str | None = _opt(None, "Directory of the SSD tier (its block files are removed at start); no SSD "
                                "tier when null.")
     ssd_budget_gib: float = _opt(16.0, "Size the SSD tier's files may take in GiB.")
+    kv_port: int | None = _opt(
+        None, "Port of the pool's KV transport listener (on `host`, with the deployment's `transport` settings "
+        "and secret): cross-cluster cache copies move block bytes pool to pool over it instead of through the "
+        "router. Copies use it when both pools have one. Null: no listener.")
     shared_memory_dir: str | None = _opt(
         "/dev/shm", "A tmpfs directory through which workers on the pool's host move block bytes (one file per "
         "block, copied once) instead of inside gRPC messages; clients elsewhere, or that do not see the pool's "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
 from support.cache_pool import BLOCK_SIZE, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, prompt, query
 from support.ports import free_port
 
@@ -11,14 +14,21 @@ from services.cache_pool.client import CachePoolClient
 from services.cache_pool.pool import CachePool
 from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.cache_pool.transfer import CrossClusterCopier
+from services.kv_transport import TransportSettings
 from services.scheduling.offload import CacheTransfer
 
 
-def _run(source_blocks, target_blocks, prefix_blocks, addresses=None):
-    """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools, the
-    outcome callbacks' records and the copy's result."""
+KV_SETTINGS = TransportSettings(secret="pool-secret", recv_idle_timeout_s=5.0)
+KV_BYTES_RECEIVED: list[int] = []  # by the target pool's KV listener, in the last ``_run`` over the transport
+
+
+def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
+    """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools and
+    the outcome callbacks' records. ``kv``: both pools have a KV transport, so bytes go pool to pool."""
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
-    servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0) for c, p in pools.items()}
+    options = {"kv_port": 0, "transport": KV_SETTINGS} if kv else {}
+    servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0, **options)
+               for c, p in pools.items()}
     pools["prfaas"].put(MODEL, source_blocks)
     pools["local"].put(MODEL, target_blocks)
     addresses = addresses or {c: f"127.0.0.1:{s.port}" for c, s in servers.items()}
@@ -39,6 +49,8 @@ def _run(source_blocks, target_blocks, prefix_blocks, addresses=None):
 
     try:
         asyncio.run(main())
+        if kv:
+            KV_BYTES_RECEIVED[:] = [servers["local"].servicer.kv_bytes_received]
     finally:
         for server in servers.values():
             server.stop(0)
@@ -48,13 +60,16 @@ def _run(source_blocks, target_blocks, prefix_blocks, addresses=None):
 PROMPT = hashes(prompt(8))
 
 
-def test_only_the_missing_blocks_and_the_last_state_cross():
+@pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
+def test_only_the_missing_blocks_and_the_last_state_cross(kv):
     source = blocks(FULL.group_id, PROMPT[:6]) + blocks(LINEAR.group_id, [PROMPT[2], PROMPT[5]])
     target = blocks(FULL.group_id, PROMPT[:2]) + blocks(LINEAR.group_id, [PROMPT[1]])
-    pools, copied, failed = _run(source, target, prefix_blocks=6)
+    pools, copied, failed = _run(source, target, prefix_blocks=6, kv=kv)
     assert failed == []
     # blocks 2..5 of the attention group and the state at block 5: 5 blocks of 100 bytes
     assert copied == [("prfaas", "local", 5, 500)]
+    if kv:
+        assert KV_BYTES_RECEIVED == [500]  # the bytes came over the target pool's KV listener
     assert pools["local"].lookup(query(PROMPT)).num_usable_blocks == 6
     assert not pools["local"].contains((MODEL, LINEAR.group_id, PROMPT[2]))  # no state that is not at the end
     assert pools["local"].get(MODEL, [(FULL.group_id, PROMPT[4])]) == blocks(FULL.group_id, [PROMPT[4]])
@@ -66,11 +81,57 @@ def test_a_target_that_holds_the_prefix_copies_nothing():
     assert (copied, failed) == ([("prfaas", "local", 0, 0)], [])
 
 
-def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only():
+@pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
+def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only(kv):
     target = blocks(FULL.group_id, PROMPT[:1])
-    pools, copied, failed = _run(blocks(FULL.group_id, PROMPT[:3]), target, prefix_blocks=3)  # no state: NOT_FOUND
+    pools, copied, failed = _run(blocks(FULL.group_id, PROMPT[:3]), target, prefix_blocks=3, kv=kv)  # no state
     assert (copied, failed) == ([], [("prfaas", "local")])
     assert pools["local"].lookup(query(PROMPT)).num_full_attention_blocks == 1  # nothing half-copied
     dead = {"prfaas": f"127.0.0.1:{free_port()}", "local": f"127.0.0.1:{free_port()}"}
     _, copied, failed = _run([], [], prefix_blocks=3, addresses=dead)
     assert (copied, failed) == ([], [("prfaas", "local")])
+
+
+def test_pool_to_pool_calls_refuse_bad_requests_and_mismatched_transfers():
+    settings = TransportSettings(secret="pool-secret", recv_idle_timeout_s=1.0)
+    source_pool, target_pool = CachePool(1 << 20), CachePool(1 << 20)
+    source_pool.put(MODEL, blocks(FULL.group_id, PROMPT[:3]))
+    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
+                               transport=settings)
+    target = start_pool_server(target_pool, PoolIdentity("pool-b", "local"), "127.0.0.1", 0, kv_port=0,
+                               transport=settings)
+    plain = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-c", "local"), "127.0.0.1", 0)
+    refs = [(FULL.group_id, h) for h in PROMPT[:3]]
+
+    async def main():
+        a, b, c = (CachePoolClient(f"127.0.0.1:{s.port}") for s in (source, target, plain))
+        try:
+            kv_b = await b.kv_address()
+            assert kv_b == f"127.0.0.1:{target.servicer.kv_port}" and await c.kv_address() is None
+            for call, code in [(a.push(MODEL, refs, "no-port", "t-1"), grpc.StatusCode.INVALID_ARGUMENT),
+                               (c.push(MODEL, refs, kv_b, "t-2"), grpc.StatusCode.FAILED_PRECONDITION),
+                               (c.put_pushed(MODEL, refs, "t-3"), grpc.StatusCode.FAILED_PRECONDITION),
+                               (b.put_pushed(MODEL, refs, "t-never-sent"), grpc.StatusCode.DEADLINE_EXCEEDED)]:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await call
+                assert error.value.code() == code, error.value.details()
+            # Two blocks pushed for a Put of three: refused, nothing stored.
+            await a.push(MODEL, refs[:2], kv_b, "t-4")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await b.put_pushed(MODEL, refs, "t-4")
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert not target_pool.contains((MODEL, FULL.group_id, PROMPT[0]))
+            stored = asyncio.ensure_future(b.put_pushed(MODEL, refs, "t-5"))  # the Put may come first
+            await asyncio.sleep(0.2)
+            await a.push(MODEL, refs, kv_b, "t-5")
+            assert (await stored).num_blocks_stored == 3
+            assert target_pool.get(MODEL, refs) == source_pool.get(MODEL, refs)
+        finally:
+            for client in (a, b, c):
+                await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for server in (source, target, plain):
+            server.stop(0)

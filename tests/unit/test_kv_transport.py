@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import pytest
@@ -196,3 +197,54 @@ def test_mutual_tls(pair, tmp_path):
 def test_settings_errors_name_the_key(raw, error):
     with pytest.raises(ConfigError, match=error):
         TransportSettings.of(raw)
+
+
+def _silent_peer(read_bytes: int = 0):
+    """A peer that completes the handshake, reads ``read_bytes`` and then neither reads nor closes
+    (0), or closes after them (> 0). Returns its listening socket and address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            protocol.server_handshake(conn, SECRET.encode())
+            if read_bytes:
+                protocol.recv_exactly(conn, read_bytes)
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, held, f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _wait_failed(tx: KVTransport, count: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(p["transfers_failed"] for p in tx.snapshot()["peers"]) >= count:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("read_bytes", [0, 1 << 20], ids=["stalls", "resets"])
+def test_a_stalled_or_broken_connection_fails_its_transfer_and_other_peers_keep_flowing(pair, read_bytes):
+    rx, tx, healthy = pair(tx_settings=TransportSettings(secret=SECRET, io_timeout_s=1.0, connections_per_peer=2))
+    listener, held, bad = _silent_peer(read_bytes)
+    try:
+        tx.send(bad, "t-bad", 0, 0, 0, 64, os.urandom(64 << 16))  # 4 MiB: more than the sockets hold
+        tx.finish(bad, "t-bad")
+        tx.send(healthy, "t-ok", 0, 0, 0, 4, os.urandom(4 * 4096))
+        tx.finish(healthy, "t-ok")
+        assert isinstance(collect(rx, "t-ok")[1], TransferDone)
+        assert _wait_failed(tx, 1, 10.0)  # the stall is found after io_timeout_s; a reset at once
+        bad_link = next(p for p in tx.snapshot()["peers"] if p["peer"] == bad)
+        assert bad_link["transfers_failed"] == 1 and bad_link["transfers_sent"] == 0
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()

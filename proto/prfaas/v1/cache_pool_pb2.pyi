@@ -16,19 +16,41 @@ GROUP_KIND_UNSPECIFIED: GroupKind
 GROUP_KIND_FULL_ATTENTION: GroupKind
 GROUP_KIND_LINEAR_ATTENTION: GroupKind
 
+class PushRequest(_message.Message):
+    __slots__ = ("model", "blocks", "kv_target", "kv_transfer_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    blocks: _containers.RepeatedCompositeFieldContainer[CacheBlockRef]
+    kv_target: str
+    kv_transfer_id: str
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., kv_target: _Optional[str] = ..., kv_transfer_id: _Optional[str] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("pool", "cluster", "shared_memory")
+    __slots__ = ("pool", "cluster", "shared_memory", "kv_port")
     POOL_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    KV_PORT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     cluster: str
     shared_memory: SharedMemory
-    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+    kv_port: int
+    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., kv_port: _Optional[int] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
     __slots__ = ("directory", "probe_file", "probe_token")
@@ -95,14 +117,16 @@ class CacheBlock(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("model", "blocks", "transfer_id")
+    __slots__ = ("model", "blocks", "transfer_id", "kv_transfer_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     blocks: _containers.RepeatedCompositeFieldContainer[CacheBlock]
     transfer_id: str
-    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlock, _Mapping]]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    kv_transfer_id: str
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlock, _Mapping]]] = ..., transfer_id: _Optional[str] = ..., kv_transfer_id: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_blocks_stored", "num_bytes_stored")

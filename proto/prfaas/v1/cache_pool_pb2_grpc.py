@@ -59,6 +59,11 @@ class CachePoolStub:
                 request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/prfaas.v1.CachePool/Push',
+                request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.FromString,
+                _registered_method=True)
 
 
 class CachePoolServicer:
@@ -106,6 +111,17 @@ class CachePoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Sends blocks' bytes over the KV transport to another pool's KV port (`kv_target`, from its
+        Describe), as transfer `kv_transfer_id`, frame layer i carrying blocks[i]; the other pool stores
+        them on a Put with that kv_transfer_id. All or nothing: NOT_FOUND names the first missing
+        block, FAILED_PRECONDITION when this pool has no KV transport. Returns once the bytes are
+        queued for sending.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CachePoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +149,11 @@ def add_CachePoolServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +291,33 @@ class CachePool:
             '/prfaas.v1.CachePool/Describe',
             prfaas_dot_v1_dot_cache__pool__pb2.DescribeRequest.SerializeToString,
             prfaas_dot_v1_dot_cache__pool__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.CachePool/Push',
+            prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.SerializeToString,
+            prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,

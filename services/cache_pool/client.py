@@ -1,12 +1,16 @@
 """Async client of one cache pool (grpc.aio); callers see domain types only.
 
-On the pool's host (``Describe`` offers a shared-memory directory and its probe file reads back
-right), block bytes go through files there (``shm``): a Put writes one file per block and sends
-only names, a Get reads the files the pool names; one copy each, in a worker thread so the event
-loop keeps running. Elsewhere, or when the files cannot be written (a full tmpfs), Put and Get move
-bytes inline in messages of about ``MESSAGE_BYTES`` each, one after another: a prompt's blocks can
-be far larger than gRPC's message limit, and small messages keep the buffers of both ends reused
-instead of freshly mapped for every call (fresh pages cost more than the copy).
+Block bytes take the best path the pool and this client share; gRPC always carries the metadata:
+
+- on the pool's host (``Describe`` offers a shared-memory directory and its probe file reads back
+  right): files there (``shm``). A Put writes one file per block and sends only names, a Get reads
+  the files the pool names; one copy each, in a worker thread so the event loop keeps running;
+- else, when the pool has a KV port and the client was given transport settings: the KV transport.
+  A Put streams the blocks to the pool's listener, a Get has the pool push them to this client's;
+- else (or when the files cannot be written, e.g. a full tmpfs): inline, in messages of about
+  ``MESSAGE_BYTES`` each, one after another: a prompt's blocks can be far larger than gRPC's message
+  limit, and small messages keep the buffers of both ends reused instead of freshly mapped for
+  every call (fresh pages cost more than the copy).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import itertools
 import logging
 import os
 import secrets
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -23,8 +28,10 @@ from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
 from services.cache_pool import convert, shm
+from services.cache_pool.inbox import TransferError, TransferInbox
 from services.cache_pool.server import GRPC_OPTIONS
 from services.cache_pool.types import Block, BlockMissingError, LookupQuery, LookupResult, PoolStats, PutResult
+from services.kv_transport import KVTransport, TransportSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +39,17 @@ MESSAGE_BYTES = 16 << 20
 
 
 class CachePoolClient:
-    def __init__(self, address: str, shared_memory: bool = True) -> None:
-        """``shared_memory`` False: always inline bytes, even on the pool's host."""
+    def __init__(self, address: str, shared_memory: bool = True, transport: TransportSettings | None = None,
+                 kv_host: str = "") -> None:
+        """``shared_memory`` False: never through shared memory, even on the pool's host.
+        ``transport``: where shared memory is not available and the pool has a KV port, Puts send
+        the bytes over a KV transport of these settings, and Gets (with ``kv_host``, this host's
+        address as the pool can reach it) have the pool push them to a listener opened here."""
         self.address = address
+        self._kv_settings = transport
+        self._kv_host = "" if kv_host in ("0.0.0.0", "::") else kv_host
+        self._kv: TransferInbox | None = None
+        self._kv_sender: KVTransport | None = None
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.CachePoolStub(self._channel)
         self._shared_memory = shared_memory
@@ -76,9 +91,10 @@ class CachePoolClient:
             blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in refs]))
         return PutResult(response.num_blocks, response.num_bytes)
 
-    async def put_pushed(self, model: str, refs: Sequence[tuple[int, bytes]], kv_transfer_id: str) -> PutResult:
-        """Store the blocks another pool pushes here as ``kv_transfer_id`` (waits for them)."""
-        request = pb.PutRequest(model=model, kv_transfer_id=kv_transfer_id,
+    async def put_pushed(self, model: str, refs: Sequence[tuple[int, bytes]], kv_transfer_id: str,
+                         transfer_id: str = "") -> PutResult:
+        """Store the blocks pushed to the pool as ``kv_transfer_id`` (waits for them)."""
+        request = pb.PutRequest(model=model, kv_transfer_id=kv_transfer_id, transfer_id=transfer_id,
                                 blocks=[pb.CacheBlock(group_id=g, block_hash=h) for g, h in refs])
         response = await self._stub.Put(request)
         return PutResult(response.num_blocks_stored, response.num_bytes_stored)
@@ -107,6 +123,11 @@ class CachePoolClient:
                     _remove_files(directory, names)
                     raise
                 return PutResult(response.num_blocks_stored, response.num_bytes_stored)
+        if blocks and self._kv_settings is not None and (kv_target := await self.kv_address()) is not None:
+            kv_transfer_id = f"pool-put-{uuid.uuid4().hex}"
+            await asyncio.to_thread(self._send_blocks, kv_target, kv_transfer_id, blocks)  # may wait: backpressure
+            return await self.put_pushed(model, [(b.group_id, b.block_hash) for b in blocks], kv_transfer_id,
+                                         transfer_id)
         num_blocks = num_bytes = 0
         for batch in _batches(blocks):
             request = pb.PutRequest(model=model, transfer_id=transfer_id)
@@ -125,6 +146,8 @@ class CachePoolClient:
             request = pb.GetRequest(model=model, shared_memory=True,
                                     blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in refs])
             return await asyncio.to_thread(_read_files, directory, (await self._stub.Get(request)).blocks, False)
+        if refs and self._kv_settings is not None and self._kv_host and await self.kv_address() is not None:
+            return await self._get_pushed(model, refs)
         blocks: list[Block] = []
         while len(blocks) < len(refs):
             count = max(1, MESSAGE_BYTES // max(1, len(blocks[-1].data))) if blocks else 1
@@ -132,6 +155,39 @@ class CachePoolClient:
             request = pb.GetRequest(model=model, blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in batch])
             blocks += _blocks((await self._stub.Get(request)).blocks)
         return blocks
+
+    async def _get_pushed(self, model: str, refs: Sequence[tuple[int, bytes]]) -> list[Block]:
+        """The pool pushes the blocks to this client's KV listener (opened on first use)."""
+        inbox = self._kv_inbox()
+        kv_transfer_id = f"pool-get-{uuid.uuid4().hex}"
+        await self.push(model, refs, f"{self._kv_host}:{inbox.transport.port}", kv_transfer_id)
+        try:
+            frames = await asyncio.to_thread(inbox.take, kv_transfer_id, self._kv_settings.recv_idle_timeout_s)
+        except TransferError as exc:
+            raise BlockMissingError(f"blocks pushed by the pool did not arrive: {exc}") from None
+        by_index = {frame.layer: frame for frame in frames}
+        if sorted(by_index) != list(range(len(refs))):
+            raise BlockMissingError(f"the pool pushed {len(frames)} frames for {len(refs)} blocks")
+        return [Block(g, h, bytes(by_index[i].payload)) for i, (g, h) in enumerate(refs)]
+
+    def _kv_inbox(self) -> TransferInbox:
+        if self._kv is None:
+            settings = self._kv_settings
+            self._kv = TransferInbox(KVTransport(settings, listen_host=self._kv_host, listen_port=0),
+                                     settings.recv_idle_timeout_s)
+        return self._kv
+
+    def _send_blocks(self, kv_target: str, kv_transfer_id: str, blocks: list[Block]) -> None:
+        transport = self._kv_inbox().transport if self._kv_host else self._sender()
+        for i, block in enumerate(blocks):
+            transport.send(kv_target, kv_transfer_id, i, block.group_id, 0, 1, block.data)
+        transport.finish(kv_target, kv_transfer_id)
+
+    def _sender(self) -> KVTransport:
+        """A send-only transport, for a client without an address the pool could reach."""
+        if self._kv_sender is None:
+            self._kv_sender = KVTransport(self._kv_settings)
+        return self._kv_sender
 
     async def take_transfer(self, model: str, transfer_id: str) -> list[Block]:
         """A transfer's blocks, which the pool then frees (its files become ours, read and removed)."""
@@ -148,6 +204,10 @@ class CachePoolClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._kv is not None:
+            self._kv.close()
+        if self._kv_sender is not None:
+            self._kv_sender.close()
 
 
 def _blocks(messages) -> list[Block]:

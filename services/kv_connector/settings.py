@@ -47,7 +47,10 @@ class ConnectorSettings:
             logger.warning("cache pool %s not used: the model has KV-cache groups it cannot hold",
                            self.cache_pool_address)
             return None
-        return PoolIO(self.cache_pool_address, self.cache_pool_lookup_timeout_s), model
+        from services.kv_transport import TransportSettings
+
+        return PoolIO(self.cache_pool_address, self.cache_pool_lookup_timeout_s,
+                      TransportSettings.of(self.transport), self.listen_host), model
 
     def open_streams(self):
         from services.kv_transport import KVTransport, TransportSettings

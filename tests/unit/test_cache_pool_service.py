@@ -22,10 +22,12 @@ from services.cache_pool.pool import CachePool
 from services.cache_pool.server import GRPC_OPTIONS, PoolIdentity, start_pool_server
 from services.cache_pool.shm import ShmStore, same_host_directory
 from services.cache_pool.types import Block
+from services.kv_transport import TransportSettings
 
 BUDGET_BYTES = 32 << 20
 BLOCK_BYTES = 64 << 10
 SHM_DIR = "/dev/shm"  # the pool's default shared-memory directory
+KV_SECRET = "pool-kv-secret"
 # Python, grpc, protobuf and prometheus_client (~48 MiB RSS, measured at start) are outside the budget;
 # on top of them the process may use this much for gRPC message buffers, per-block bookkeeping and
 # allocator slack (measured: 9-13 MiB with a 32 MiB budget of 64 KiB blocks).
@@ -41,7 +43,8 @@ def pool_process(tmp_path):
         "workers": [{"name": "decode-0", "port": free_port()}],
         "cache_pools": [{"name": "pool-local", "cluster": "local", "port": port, "metrics_port": metrics_port,
                          "memory_budget_gib": BUDGET_BYTES / 2**30, "ssd_dir": str(tmp_path / "ssd"),
-                         "ssd_budget_gib": (8 << 20) / 2**30}],
+                         "ssd_budget_gib": (8 << 20) / 2**30, "kv_port": free_port()}],
+        "transport": {"secret": KV_SECRET},
     }
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -236,3 +239,31 @@ def test_block_files_of_a_killed_pool_are_removed_when_a_pool_of_that_name_start
     assert bytes(adopted) == b"123456789" and not (tmp_path / "prfaas-put-1").exists()
     store.close()
     assert not os.path.exists(adopted.path) and alive.exists()
+
+
+@pytest.mark.parametrize("kv_host", ["127.0.0.1", ""], ids=["put-and-get", "put-only"])
+def test_a_client_without_shared_memory_moves_block_bytes_over_the_kv_transport(pool_process, kv_host):
+    """A worker on another host: Puts stream to the pool's KV port; Gets come back pushed to the
+    client's own listener when it has an address the pool can reach, else inline."""
+    process, stub, _, address = pool_process
+
+    async def run():
+        client = CachePoolClient(address, shared_memory=False, transport=TransportSettings(secret=KV_SECRET),
+                                 kv_host=kv_host)
+        try:
+            assert await client.shared_memory_dir() is None and await client.kv_address() is not None
+            blocks = _blocks(seed=3)
+            assert (await client.put(MODEL, blocks)).num_bytes_stored == 16 * BLOCK_BYTES
+            got = await client.get(MODEL, [(b.group_id, b.block_hash) for b in blocks])
+            assert [b.data for b in got] == [b.data for b in blocks]
+            sender = client._kv.transport if kv_host else client._kv_sender
+            sent = sum(peer["bytes_sent"] for peer in sender.snapshot()["peers"])
+            received = client._kv.transport.snapshot()["bytes_received"] if client._kv is not None else None
+            return sent, received
+        finally:
+            await client.close()
+
+    sent, received = asyncio.run(run())
+    assert sent > 16 * BLOCK_BYTES  # the Put's bytes (and frame headers) went over the transport
+    assert received == (16 * BLOCK_BYTES if kv_host else None)  # the Get's came back over the client's listener
+    assert not _pool_files()  # nothing went through shared memory

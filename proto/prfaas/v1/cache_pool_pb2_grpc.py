@@ -112,9 +112,9 @@ class CachePoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request, context):
-        """Sends blocks' bytes over the KV transport to another pool's KV port (`kv_target`, from its
-        Describe), as transfer `kv_transfer_id`, frame layer i carrying blocks[i]; the other pool stores
-        them on a Put with that kv_transfer_id. All or nothing: NOT_FOUND names the first missing
+        """Sends blocks' bytes over the KV transport to `kv_target`, as transfer `kv_transfer_id`, frame
+        layer i carrying blocks[i]: to another pool's KV port (from its Describe), which stores them on
+        a Put with that kv_transfer_id, or to a client's own KV listener (a Get over the transport). All or nothing: NOT_FOUND names the first missing
         block, FAILED_PRECONDITION when this pool has no KV transport. Returns once the bytes are
         queued for sending.
         """

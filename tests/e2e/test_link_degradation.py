@@ -210,7 +210,9 @@ def test_a_squeezed_link_raises_the_threshold_and_a_restored_one_lowers_it(clust
     history = timeline.close()
     assert nominal >= 0.3, history
     assert raised and degraded <= nominal / 2, history
-    assert lowered and restored >= 0.3 and restored > degraded, history
+    # Offloading resumes. The long prompts kept local meanwhile are offloaded in a burst that can fill
+    # the tbf queue and raise t once more for a hold time, so the floor is below the nominal share.
+    assert lowered and restored >= 0.25 and restored >= 1.5 * degraded, history
 
 
 def num_dropped_transfers(cluster: Deployment) -> int:

@@ -213,10 +213,13 @@ def _silent_peer(read_bytes: int = 0):
             except OSError:
                 return
             held.append(conn)
-            protocol.server_handshake(conn, SECRET.encode())
-            if read_bytes:
-                protocol.recv_exactly(conn, read_bytes)
-                conn.close()
+            try:
+                protocol.server_handshake(conn, SECRET.encode())
+                if read_bytes:
+                    protocol.recv_exactly(conn, read_bytes)
+                    conn.close()
+            except (protocol.ProtocolError, OSError):
+                conn.close()  # the sender gave up on this connection first
 
     threading.Thread(target=serve, daemon=True).start()
     return listener, held, f"127.0.0.1:{listener.getsockname()[1]}"

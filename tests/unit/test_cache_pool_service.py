@@ -57,7 +57,11 @@ def pool_process(tmp_path):
     finally:
         channel.close()
         if process.poll() is None:
-            process.kill()
+            process.terminate()  # a clean stop removes the pool's shared-memory files
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
         process.wait(10)
         process.stdout.close()
 

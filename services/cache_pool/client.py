@@ -15,7 +15,6 @@ Block bytes take the best path the pool and this client share; gRPC always carri
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -120,7 +119,7 @@ class CachePoolClient:
                 try:
                     response = await self._stub.Put(request)
                 except BaseException:  # the pool took none of the files (or the call was cut short)
-                    _remove_files(directory, names)
+                    shm.remove_files(directory, names)
                     raise
                 return PutResult(response.num_blocks_stored, response.num_bytes_stored)
         if blocks and self._kv_settings is not None and (kv_target := await self.kv_address()) is not None:
@@ -219,14 +218,8 @@ def _write_files(directory: str, names: list[str], blocks: list[Block]) -> None:
         try:
             shm.write_file(os.path.join(directory, name), block.data)
         except OSError:
-            _remove_files(directory, names[:i])
+            shm.remove_files(directory, names[:i])
             raise
-
-
-def _remove_files(directory: str, names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, name))
 
 
 def _read_files(directory: str, messages, owned: bool) -> list[Block]:
@@ -247,7 +240,7 @@ def _read_files(directory: str, messages, owned: bool) -> list[Block]:
             blocks.append(Block(m.group_id, m.block_hash, data))
     finally:
         if owned:
-            _remove_files(directory, [m.shm.name for m in messages if m.HasField("shm") and "/" not in m.shm.name])
+            shm.remove_files(directory, [m.shm.name for m in messages if m.HasField("shm") and "/" not in m.shm.name])
     return blocks
 
 

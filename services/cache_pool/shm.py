@@ -37,9 +37,6 @@ class ShmFile:
     name: str
     size: int
 
-    def __len__(self) -> int:
-        return self.size
-
 
 @dataclass(frozen=True, slots=True)
 class ShmBlockData:
@@ -129,12 +126,6 @@ class ShmStore:
             raise ValueError(f"shm.name {name!r} vanished before the pool took it over") from None
         return ShmBlockData(target, size)
 
-    def store(self, data: bytes) -> ShmBlockData:
-        """Put inline bytes into a file of the pool's own (for blocks that arrived inline)."""
-        target = self._new_path()
-        write_file(target, data)
-        return ShmBlockData(target, len(data))
-
     def close(self) -> None:
         """Remove every file of this store (blocks and probe)."""
         for entry in os.scandir(self.directory):
@@ -173,6 +164,12 @@ def _read_rest(fd: int, remaining: int) -> bytes:
         parts.append(part)
         remaining -= len(part)
     return b"".join(parts)
+
+
+def remove_files(directory: str, names) -> None:
+    """Unlink these files of ``directory``; ones already gone are fine."""
+    for name in names:
+        _unlink(os.path.join(directory, name))
 
 
 def _alive(pid: int) -> bool:

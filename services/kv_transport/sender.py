@@ -126,8 +126,21 @@ class PeerLink:
             self._wake()
 
     def _pop(self) -> _Outgoing | None:
+        """The next frame worth sending; frames of failed transfers are dropped on the way (one lock)."""
+        dropped, item = [], None
         with self._cond:
-            return self._queue.popleft() if self._queue else None
+            while self._queue:
+                item = self._queue.popleft()
+                transfer = self._transfers.get(item.transfer_id)
+                if item.kind == ABORT or transfer is None or transfer.failed is None:
+                    break
+                if item.kind == END:
+                    del self._transfers[item.transfer_id]
+                dropped.append(item)
+                item = None
+        for frame in dropped:
+            self._release(frame)
+        return item
 
     def _wait_for_work(self) -> bool:
         """Block while nothing is queued; False once closed with nothing left."""
@@ -198,9 +211,6 @@ class PeerLink:
     def _take(self, conn: "_Connection", poller) -> bool:
         """Give an idle connection the next frame to send (connecting first when needed)."""
         while (item := self._pop()) is not None:
-            if item.kind != ABORT and self._is_failed(item.transfer_id, drop=item.kind == END):
-                self._release(item)
-                continue
             if conn.sock is None:
                 try:
                     conn.sock = self._connect()
@@ -272,14 +282,6 @@ class PeerLink:
             if isinstance(exc, HandshakeRefused):
                 logger.error("KV peer %s refused the connection: %s", self.peer, exc)
             raise
-
-    def _is_failed(self, transfer_id: str, drop: bool) -> bool:
-        with self._cond:
-            transfer = self._transfers.get(transfer_id)
-            failed = transfer is not None and transfer.failed is not None
-            if failed and drop:
-                del self._transfers[transfer_id]
-            return failed
 
     def _complete(self, transfer_id: str) -> None:
         with self._cond:

@@ -1,7 +1,8 @@
-"""Shared helpers of the benchmarks: free ports, iperf3, medians, the verdict line."""
+"""Shared helpers of the benchmarks: free ports, iperf3, CPU times, medians, the verdict line."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +41,18 @@ def pinned(cpu: int | None) -> list[str]:
     return [] if cpu is None else ["taskset", "-c", str(cpu)]
 
 
-def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
-                seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
-                client_cpu: int | None = None) -> float:
-    """Receiver-side goodput of one iperf3 run with ``streams`` parallel TCP streams (a run that
-    iperf3 itself reports as failed is repeated with a fresh server)."""
+@dataclass(frozen=True)
+class Iperf3Result:
+    gbps: float          # receiver-side goodput
+    client_cpu_s: float  # CPU time of the sending end over the test
+    server_cpu_s: float  # CPU time of the receiving end
+
+
+def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
+               seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
+               client_cpu: int | None = None) -> Iperf3Result:
+    """One iperf3 run with ``streams`` parallel TCP streams (a run that iperf3 itself reports as
+    failed is repeated with a fresh server)."""
     require("iperf3", "iperf3")
     wrap = ["ip", "netns", "exec", netns] if netns else []
     wrap += pinned(server_cpu)
@@ -61,13 +70,22 @@ def iperf3_gbps(host: str, streams: int, num_bytes: int, netns: str | None = Non
                     break
                 time.sleep(0.1)
             try:
-                return json.loads(result.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
+                end = json.loads(result.stdout)["end"]
+                cpu, seconds_run = end["cpu_utilization_percent"], end["sum_received"]["seconds"]
+                return Iperf3Result(end["sum_received"]["bits_per_second"] / 1e9,
+                                    cpu["host_total"] / 100 * seconds_run, cpu["remote_total"] / 100 * seconds_run)
             except (ValueError, KeyError):
                 error = (result.stdout[-300:] + result.stderr[-300:]).strip()
         finally:
             server.kill()
             server.wait()
     raise RuntimeError(f"iperf3 failed {attempts} times; last output: {error}")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU time of a process so far (all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median(values) -> float:

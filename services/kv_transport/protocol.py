@@ -82,6 +82,13 @@ def read_header(conn: socket.socket, max_frame_bytes: int) -> FrameHeader | None
     raw = recv_exactly(conn, HEADER.size, eof_ok=True)
     if raw is None:
         return None
+    fields = unpack_fixed(raw)
+    return finish_header(fields, recv_exactly(conn, fields[1]), max_frame_bytes)
+
+
+def unpack_fixed(raw) -> tuple:
+    """The fixed part of a header (``HEADER.size`` bytes), checked: (kind, length of the transfer id
+    that follows, layer, group, block start, block count, seq, payload length, digest)."""
     magic, version, kind, tid_len, layer, group, start, count, seq, length, digest = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic (stream out of sync)")
@@ -89,7 +96,12 @@ def read_header(conn: socket.socket, max_frame_bytes: int) -> FrameHeader | None
         raise ProtocolError(f"frame of protocol version {version}, expected {PROTOCOL_VERSION}")
     if kind not in KINDS:
         raise ProtocolError(f"unknown frame kind {kind}")
-    transfer_id = recv_exactly(conn, tid_len).decode(errors="replace")
+    return kind, tid_len, layer, group, start, count, seq, length, digest
+
+
+def finish_header(fields: tuple, raw_tid, max_frame_bytes: int) -> FrameHeader:
+    kind, _, layer, group, start, count, seq, length, digest = fields
+    transfer_id = bytes(raw_tid).decode(errors="replace")
     if length > max_frame_bytes:
         raise ProtocolError(f"oversized frame: {length} bytes announced, limit {max_frame_bytes}", transfer_id)
     return FrameHeader(kind, transfer_id, layer, group, start, count, seq, length, digest)
@@ -118,6 +130,15 @@ def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = F
 # Handshake -------------------------------------------------------------------------------------
 
 def client_handshake(conn: socket.socket, secret: bytes) -> None:
+    """Authenticate to a receiver; raises HandshakeRefused, or ConnectionError when the peer
+    closes the connection before the handshake is over."""
+    try:
+        _client_handshake(conn, secret)
+    except ProtocolError as exc:
+        raise ConnectionError(f"peer closed the connection during the handshake ({exc})") from None
+
+
+def _client_handshake(conn: socket.socket, secret: bytes) -> None:
     client_nonce = os.urandom(_NONCE)
     conn.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, client_nonce))
     version, status = _read_reply(conn)

@@ -1,39 +1,66 @@
-"""The receiving half: a listener, one reader thread per connection, reassembly per transfer.
+"""The receiving half: a listener, one I/O thread reading every connection, reassembly per transfer.
 
-Readers put ``Frame`` events on a queue as they arrive; a transfer completes (``TransferDone``)
-when its END frame and all the frames it counts are in, on whatever connections they came.
-Received bytes not yet taken by ``poll`` are bounded by ``max_staging_bytes``: past it, readers
-stop reading, TCP's flow control stops the sender, and the sender's own budget blocks its caller.
-Anything wrong with a frame fails its transfer (or, when the stream itself is broken, every
-incomplete transfer seen on that connection) and is logged; the process keeps serving.
+An accepted connection is authenticated in a short-lived thread of its own (the handshake blocks),
+then joins the I/O thread, which reads all plain connections without blocking (epoll) and puts
+``Frame`` events on a queue as frames complete. One thread instead of one per connection: eight
+readers woken for every segment spent more CPU handing the interpreter lock to each other than
+reading. TLS connections keep a blocking reader thread each, since the TLS layer buffers records
+that epoll cannot see.
+
+A transfer completes (``TransferDone``) when its END frame and all the frames it counts are in, on
+whatever connections they came. Received bytes not yet taken by ``poll`` are bounded by
+``max_staging_bytes``: past it, reading stops, TCP's flow control stops the sender, and the
+sender's own budget blocks its caller. Anything wrong with a frame fails its transfer (or, when the
+stream itself is broken, every incomplete transfer seen on that connection) and is logged; the
+process keeps serving.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import ssl
-import struct
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import numpy
 
 from services.kv_transport.events import ByteBudget, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import (ABORT, DATA, END, HandshakeRefused, ProtocolError, read_header,
-                                            checksum, recv_into_exactly, server_handshake)
+from services.kv_transport.protocol import (ABORT, DATA, END, HEADER, FrameHeader, HandshakeRefused, ProtocolError,
+                                            checksum, finish_header, read_header, recv_into_exactly,
+                                            server_handshake, unpack_fixed)
 from services.kv_transport.settings import TransportSettings
+from services.kv_transport.wakeup import WakePipe
 
 logger = logging.getLogger(__name__)
 
 MAX_FORGOTTEN = 4096
+IO_POLL_S = 0.5        # longest the I/O thread sleeps before it looks for stalled connections
+STAGING_WAIT_S = 0.5   # how long it waits for staging room before it checks whether it was closed
 
 
 @dataclass(slots=True)
 class _Progress:
     num_frames: int = 0
     expected: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Connection:
+    """A plain connection read by the I/O thread: a header being read, then its payload."""
+    sock: socket.socket
+    peer: str
+    head: bytearray = field(default_factory=lambda: bytearray(HEADER.size + 255))
+    need: int = HEADER.size            # header bytes wanted so far (the fixed part, then the id)
+    got: int = 0                       # bytes of the header, or of the payload, received
+    fields: tuple | None = None        # the fixed part, once read
+    header: FrameHeader | None = None  # set while the payload is read
+    payload: memoryview | None = None
+    progress_at: float = 0.0           # last time a byte came in the middle of a frame
+    seen: set = field(default_factory=set)  # transfers with frames on this connection
 
 
 class Receiver:
@@ -48,21 +75,28 @@ class Receiver:
         self.bytes_received = 0
         self.frames_rejected = 0
         self.connections_refused = 0
+        self._closed = False
+        self._resumed_at = 0.0  # when the I/O thread last got staging room after waiting for it
+        self._joining: deque[_Connection] = deque()
+        self._wakeup = WakePipe()
         self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True).start()
+        threading.Thread(target=self._io_loop, name="prfaas-kv-recv", daemon=True).start()
         logger.info("KV receiver listening on %s:%d", host, self.port)
 
     def forget(self, transfer_id: str) -> None:
         """Drop a transfer's state; its late frames are discarded unread."""
         with self._lock:
             self._progress.pop(transfer_id, None)
-            self._forgotten[transfer_id] = None
-            while len(self._forgotten) > MAX_FORGOTTEN:
-                self._forgotten.popitem(last=False)
+            self._remember(transfer_id)
 
     def close(self) -> None:
+        self._closed = True
         self._listener.close()
+        self._wakeup.wake()
+
+    # Accepting ------------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
         while True:
@@ -71,19 +105,159 @@ class Receiver:
             except OSError:
                 return
             peer = f"{address[0]}:{address[1]}"
-            threading.Thread(target=self._serve, args=(conn, peer), name="prfaas-kv-recv", daemon=True).start()
+            threading.Thread(target=self._admit, args=(conn, peer), name="prfaas-kv-handshake", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        seen: set[str] = set()
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        """Authenticate a new connection, then hand it to the I/O thread (or read it here, for TLS)."""
         try:
             conn.settimeout(self._settings.connect_timeout_s)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             server_handshake(conn, self._settings.secret_bytes)
-            self._read_frames(conn, peer, seen)
         except HandshakeRefused as exc:
             self.connections_refused += 1
             logger.warning("refused KV connection from %s: %s", peer, exc)
+            conn.close()
+            return
+        except (ProtocolError, OSError, ssl.SSLError) as exc:
+            logger.warning("KV connection from %s dropped during the handshake: %s", peer, exc)
+            conn.close()
+            return
+        if self._tls is not None:
+            self._serve_blocking(conn, peer)
+            return
+        conn.setblocking(False)
+        self._joining.append(_Connection(conn, peer))
+        self._wakeup.wake()
+
+    # The I/O thread (plain connections) -----------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = select.epoll()
+        poller.register(self._wakeup.fd, select.EPOLLIN)
+        conns: dict[int, _Connection] = {}
+        try:
+            while not self._closed:
+                for fd, _ in poller.poll(IO_POLL_S):
+                    if fd == self._wakeup.fd:
+                        self._wakeup.drain()
+                        while self._joining:
+                            conn = self._joining.popleft()
+                            conns[conn.sock.fileno()] = conn
+                            poller.register(conn.sock, select.EPOLLIN)
+                    elif (conn := conns.get(fd)) is not None:
+                        try:
+                            self._read_some(conn)
+                        except (ProtocolError, OSError, _Closed) as exc:
+                            self._drop(conn, exc, conns, poller)
+                self._check_stalled(conns, poller)
+        finally:
+            for conn in list(conns.values()):
+                self._release_partial(conn)
+                conn.sock.close()
+            for conn in self._joining:
+                conn.sock.close()
+            poller.close()
+            self._wakeup.close()
+
+    def _read_some(self, conn: _Connection) -> None:
+        """Read what the socket has, completing as many frames as it holds; raises when the stream
+        is broken (``_Closed`` at a clean end between frames)."""
+        while True:
+            if conn.header is None:
+                view = memoryview(conn.head)[conn.got:conn.need]
+            else:
+                view = conn.payload[conn.got:]
+            try:
+                n = conn.sock.recv_into(view)
+            except BlockingIOError:
+                return
+            if n == 0:
+                if conn.got == 0 and conn.header is None:
+                    raise _Closed(f"KV connection from {conn.peer} closed")
+                wanted = conn.need if conn.header is None else len(conn.payload)
+                raise ProtocolError(f"truncated frame: connection closed after {conn.got} of {wanted} bytes",
+                                    conn.header.transfer_id if conn.header else None)
+            conn.got += n
+            conn.progress_at = time.monotonic()
+            if conn.header is None:
+                if conn.got < conn.need:
+                    continue
+                if conn.fields is None:
+                    conn.fields = unpack_fixed(memoryview(conn.head)[:HEADER.size])
+                    conn.need += conn.fields[1]
+                    if conn.got < conn.need:
+                        continue
+                header = finish_header(conn.fields, memoryview(conn.head)[HEADER.size:conn.need],
+                                       self._settings.max_frame_bytes)
+                conn.seen.add(header.transfer_id)
+                self._stage(header.length)
+                conn.header, conn.got = header, 0
+                conn.payload = memoryview(numpy.empty(header.length, numpy.uint8))  # recv overwrites it
+            if conn.got < len(conn.payload):
+                continue
+            header, payload = conn.header, conn.payload
+            conn.header, conn.payload, conn.fields, conn.got, conn.need = None, None, None, 0, HEADER.size
+            self._on_payload(header, payload, conn.peer, conn.seen)
+            if len(conn.seen) > 1024:
+                conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
+
+    def _stage(self, num_bytes: int) -> None:
+        """Take staging room for a payload; waits (and so stops all reading) while there is none.
+        Time spent waiting here does not count against any connection's ``io_timeout_s``."""
+        if self.staging.acquire(num_bytes, 0):
+            return
+        while not self.staging.acquire(num_bytes, STAGING_WAIT_S):
+            if self._closed:
+                raise _Closed("receiver closed")
+        self._resumed_at = time.monotonic()
+
+    def _drop(self, conn: _Connection, exc: Exception, conns: dict, poller) -> None:
+        conns.pop(conn.sock.fileno(), None)
+        poller.unregister(conn.sock)
+        self._release_partial(conn)
+        conn.sock.close()
+        if isinstance(exc, _Closed):
+            self._fail_incomplete(conn.seen, str(exc))
+            return
+        if getattr(exc, "transfer_id", None):
+            conn.seen.add(exc.transfer_id)
+        self.frames_rejected += 1
+        logger.warning("KV connection from %s dropped: %s", conn.peer, exc)
+        self._fail_incomplete(conn.seen, f"KV stream from {conn.peer} broke: {exc}")
+
+    def _release_partial(self, conn: _Connection) -> None:
+        if conn.header is not None:
+            self.staging.release(conn.header.length)
+            conn.header = conn.payload = None
+
+    def _check_stalled(self, conns: dict, poller) -> None:
+        now, limit = time.monotonic(), self._settings.io_timeout_s
+        for conn in list(conns.values()):
+            if (conn.got or conn.header is not None) and now - max(conn.progress_at, self._resumed_at) > limit:
+                self._drop(conn, ProtocolError(f"no data for {limit:.0f} s in the middle of a frame"), conns, poller)
+
+    # TLS connections: a blocking reader each -------------------------------------------------------
+
+    def _serve_blocking(self, conn: socket.socket, peer: str) -> None:
+        seen: set[str] = set()
+        try:
+            while True:
+                conn.settimeout(None)  # idle between transfers is normal
+                header = read_header(conn, self._settings.max_frame_bytes)
+                if header is None:
+                    self._fail_incomplete(seen, f"KV connection from {peer} closed")
+                    return
+                conn.settimeout(self._settings.io_timeout_s)
+                seen.add(header.transfer_id)
+                self.staging.acquire(header.length)
+                payload = memoryview(numpy.empty(header.length, numpy.uint8))
+                try:
+                    recv_into_exactly(conn, payload)
+                except BaseException:
+                    self.staging.release(header.length)
+                    raise
+                self._on_payload(header, payload, peer, seen)
         except (ProtocolError, OSError, ssl.SSLError) as exc:
             if getattr(exc, "transfer_id", None):
                 seen.add(exc.transfer_id)
@@ -93,46 +267,30 @@ class Receiver:
         finally:
             conn.close()
 
-    def _read_frames(self, conn: socket.socket, peer: str, seen: set[str]) -> None:
-        plain = not isinstance(conn, ssl.SSLSocket)
-        if plain:
-            conn.settimeout(None)
-        while True:
-            _read_timeout(conn, None, plain)  # idle between transfers is normal
-            header = read_header(conn, self._settings.max_frame_bytes)
-            if header is None:
-                self._fail_incomplete(seen, f"KV connection from {peer} closed")
-                return
-            _read_timeout(conn, self._settings.io_timeout_s, plain)
-            seen.add(header.transfer_id)
-            if len(seen) > 1024:
-                seen.difference_update([t for t in seen if self._is_forgotten(t)])
-            self.staging.acquire(header.length)
-            payload = memoryview(numpy.empty(header.length, numpy.uint8))  # not zero-filled: recv overwrites it
-            try:
-                recv_into_exactly(conn, payload, flags=socket.MSG_WAITALL if plain else 0)
-            except BaseException:
+    # Frames, whichever way they came ---------------------------------------------------------------
+
+    def _on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str]) -> None:
+        """A whole frame is in; its staging room was taken and is kept only by a DATA frame that is
+        handed on."""
+        self.bytes_received += header.length
+        keep = header.kind == DATA and not self._is_forgotten(header.transfer_id)
+        if not keep:
+            self.staging.release(header.length)
+        if checksum(payload) != header.digest:
+            self.frames_rejected += 1
+            logger.warning("request %s: KV frame from %s failed its checksum (layer %d)", header.transfer_id,
+                           peer, header.layer)
+            if keep:
                 self.staging.release(header.length)
-                raise
-            self.bytes_received += header.length
-            keep = header.kind == DATA and not self._is_forgotten(header.transfer_id)
-            if not keep:
-                self.staging.release(header.length)
-            if checksum(payload) != header.digest:
-                self.frames_rejected += 1
-                logger.warning("request %s: KV frame from %s failed its checksum (layer %d)", header.transfer_id,
-                               peer, header.layer)
-                if keep:
-                    self.staging.release(header.length)
-                self._fail(header.transfer_id, "checksum mismatch")
-            elif header.kind == ABORT:
-                self._fail(header.transfer_id, f"sender aborted: {bytes(payload).decode(errors='replace')}")
-            elif header.kind == END:
-                self._on_frame(header.transfer_id, None, header.seq)
-            elif keep:
-                frame = Frame(header.transfer_id, header.layer, header.group, header.block_start,
-                              header.num_blocks, payload)
-                self._on_frame(header.transfer_id, frame, None)
+            self._fail(header.transfer_id, "checksum mismatch")
+        elif header.kind == ABORT:
+            self._fail(header.transfer_id, f"sender aborted: {bytes(payload).decode(errors='replace')}")
+        elif header.kind == END:
+            self._on_frame(header.transfer_id, None, header.seq)
+        elif keep:
+            frame = Frame(header.transfer_id, header.layer, header.group, header.block_start,
+                          header.num_blocks, payload)
+            self._on_frame(header.transfer_id, frame, None)
 
     def _on_frame(self, transfer_id: str, frame: Frame | None, expected: int | None) -> None:
         with self._lock:
@@ -173,12 +331,5 @@ class Receiver:
             self._forgotten.popitem(last=False)
 
 
-def _read_timeout(conn: socket.socket, seconds: float | None, plain: bool) -> None:
-    """Plain sockets stay blocking with a kernel timeout (SO_RCVTIMEO), so a whole frame arrives in
-    one ``recv(MSG_WAITALL)``; Python's own socket timeouts cost a poll and a recv per segment."""
-    if not plain:
-        conn.settimeout(seconds)
-        return
-    whole = 0 if seconds is None else int(seconds)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                    struct.pack("ll", whole, 0 if seconds is None else int((seconds - whole) * 1e6)))
+class _Closed(Exception):
+    """The connection ended cleanly between frames, or the receiver is closing."""

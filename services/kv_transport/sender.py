@@ -13,7 +13,6 @@ another connection (or, at the latest, its idle timeout).
 from __future__ import annotations
 
 import logging
-import os
 import select
 import socket
 import ssl
@@ -26,6 +25,7 @@ from services.kv_transport.events import ByteBudget
 from services.kv_transport.protocol import ABORT, DATA, END, HandshakeRefused, client_handshake, encode_header
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.telemetry import Clock, PeerTelemetry, tcp_info
+from services.kv_transport.wakeup import WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class PeerLink:
         self._transfers: dict[str, _Transfer] = {}
         self._closed = False
         self._unreachable_until = 0.0
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup = WakePipe()
         self._want_wake = False
         self._thread = threading.Thread(target=self._io_loop, daemon=True, name="prfaas-kv-send")
         self._thread.start()
@@ -97,10 +97,7 @@ class PeerLink:
 
     def _wake(self) -> None:
         """Interrupt the I/O thread's wait for socket room: there is a new frame to hand out."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # already pending (pipe full), or the thread has exited
+        self._wakeup.wake()
 
     # Internals -----------------------------------------------------------------------------------
 
@@ -152,7 +149,7 @@ class PeerLink:
         conns = [_Connection(i, Clock(self._settings.telemetry_interval_s))
                  for i in range(self._settings.connections_per_peer)]
         poller = select.epoll()
-        poller.register(self._wake_r, select.EPOLLIN)
+        poller.register(self._wakeup.fd, select.EPOLLIN)
         writable: set[int] = set()
         try:
             while True:
@@ -171,8 +168,8 @@ class PeerLink:
                         continue
                     writable = {fd for fd, _ in poller.poll(IO_POLL_S)}
                     self._want_wake = False
-                    if self._wake_r in writable:
-                        _drain(self._wake_r)
+                    if self._wakeup.fd in writable:
+                        self._wakeup.drain()
                     self._check_stalled(conns, poller)
                 elif not self._wait_for_work():
                     break
@@ -183,8 +180,7 @@ class PeerLink:
                 if conn.sock is not None:
                     conn.sock.close()
             poller.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._wakeup.close()
 
     def _drive(self, conn: "_Connection", poller) -> bool:
         """Send what this connection can without blocking, taking new frames while its socket has
@@ -331,14 +327,6 @@ def _send_some(sock: socket.socket, views: list) -> bool:
                 views[0] = views[0][sent:]
                 sent = 0
     return True
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def _parse_peer(peer: str) -> tuple[str, int]:

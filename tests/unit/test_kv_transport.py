@@ -61,6 +61,9 @@ def test_striped_transfer_reassembles_in_full(pair):
         assert b"".join(bytes(f.payload) for f in parts) == data
         assert [f.group for f in parts] == [layer % 2] * 3
     assert len({p["connections"] for p in tx.snapshot()["peers"]}) == 1
+    deadline = time.monotonic() + 5  # the sender counts the transfer once its END frame is written,
+    while tx.snapshot()["peers"][0]["transfers_sent"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # which can be just after the receiver has it
     assert tx.snapshot()["peers"][0]["transfers_sent"] == 1
     assert rx.snapshot()["bytes_received"] == sum(map(len, layers.values()))
 
@@ -218,7 +221,7 @@ def _silent_peer(read_bytes: int = 0):
                 if read_bytes:
                     protocol.recv_exactly(conn, read_bytes)
                     conn.close()
-            except (protocol.ProtocolError, OSError):
+            except (protocol.ProtocolError, protocol.HandshakeRefused, OSError):
                 conn.close()  # the sender gave up on this connection first
 
     threading.Thread(target=serve, daemon=True).start()
@@ -251,3 +254,75 @@ def test_a_stalled_or_broken_connection_fails_its_transfer_and_other_peers_keep_
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_a_sender_that_stalls_mid_frame_fails_its_transfer_and_the_receiver_keeps_serving(pair):
+    rx, tx, peer = pair(rx_settings=TransportSettings(secret=SECRET, io_timeout_s=1.0))
+    payload = os.urandom(1 << 16)
+    sock = _raw_client(rx.port)
+    try:
+        sock.sendall(_frame(protocol.DATA, "stuck", 0, payload)[:-1000])  # then nothing, and no close
+        started = time.monotonic()
+        frames, end = collect(rx, "stuck", timeout=10.0)
+        assert frames == [] and isinstance(end, TransferFailed) and "middle of a frame" in end.reason
+        assert 0.9 <= time.monotonic() - started < 5.0
+        tx.send(peer, "after", 0, 0, 0, 1, payload)
+        tx.finish(peer, "after")
+        frames, end = collect(rx, "after")
+        assert isinstance(end, TransferDone) and bytes(frames[0].payload) == payload
+    finally:
+        sock.close()
+
+
+def test_waiting_for_a_slow_consumer_is_not_a_stalled_connection(pair):
+    """While staging is full the receiver stops reading; connections are not timed out for it."""
+    budget = 1 << 18
+    rx, tx, peer = pair(rx_settings=TransportSettings(secret=SECRET, io_timeout_s=0.5, max_staging_bytes=budget,
+                                                      frame_bytes=1 << 16),
+                        tx_settings=TransportSettings(secret=SECRET, frame_bytes=1 << 16, connections_per_peer=2))
+    data = os.urandom(4 * budget)
+    tx.send(peer, "slow", 0, 0, 0, 64, data)
+    tx.finish(peer, "slow")
+    time.sleep(2.0)  # nothing polls: staging fills and stays full for four io_timeout_s
+    assert rx._receiver.staging.used <= budget
+    frames, end = collect(rx, "slow")
+    assert isinstance(end, TransferDone)
+    assert b"".join(bytes(f.payload) for f in sorted(frames, key=lambda f: f.block_start)) == data
+
+
+def test_closing_the_receiver_closes_its_connections(pair):
+    rx, _, _ = pair()
+    sock = _raw_client(rx.port)
+    time.sleep(0.2)  # the connection joins the reading thread
+    rx.close()
+    sock.settimeout(5)
+    assert sock.recv(1) == b""  # the receiver's end was closed
+    sock.close()
+
+
+def test_a_peer_that_hangs_up_during_the_handshake_fails_the_transfer_not_the_sender(pair):
+    _, tx, _ = pair()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            protocol.recv_exactly(conn, 38)  # the whole HELLO; then leave without answering
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    peer = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        tx.send(peer, "t-hangup", 0, 0, 0, 1, b"x" * 4096)
+        tx.finish(peer, "t-hangup")
+        assert _wait_failed(tx, 1, 5.0)
+        time.sleep(1.1)  # past the reconnect back-off: the link tries again, and fails again
+        tx.send(peer, "t-hangup-2", 0, 0, 0, 1, b"x" * 4096)
+        tx.finish(peer, "t-hangup-2")
+        assert _wait_failed(tx, 2, 5.0)
+        assert tx._links[peer]._thread.is_alive()
+    finally:
+        listener.close()

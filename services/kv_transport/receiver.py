@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 MAX_FORGOTTEN = 4096
 IO_POLL_S = 0.5        # longest the I/O thread sleeps before it looks for stalled connections
 STAGING_WAIT_S = 0.5   # how long it waits for staging room before it checks whether it was closed
+READ_AHEAD_BYTES = 4096  # read at once while looking for a header; what belongs to a payload is copied
 
 
 @dataclass(slots=True)
@@ -50,17 +51,23 @@ class _Progress:
 
 @dataclass(slots=True, eq=False)
 class _Connection:
-    """A plain connection read by the I/O thread: a header being read, then its payload."""
+    """A plain connection read by the I/O thread. Headers are read a few KiB at a time into
+    ``buffer`` (so small frames come several to a ``recv``); a payload is copied from there as far
+    as it was read ahead, and the rest is received straight into its own array."""
     sock: socket.socket
     peer: str
-    head: bytearray = field(default_factory=lambda: bytearray(HEADER.size + 255))
-    need: int = HEADER.size            # header bytes wanted so far (the fixed part, then the id)
-    got: int = 0                       # bytes of the header, or of the payload, received
-    fields: tuple | None = None        # the fixed part, once read
+    buffer: bytearray = field(default_factory=lambda: bytearray(READ_AHEAD_BYTES))
+    start: int = 0                     # unparsed bytes are buffer[start:end]
+    end: int = 0
     header: FrameHeader | None = None  # set while the payload is read
     payload: memoryview | None = None
+    got: int = 0                       # payload bytes in
     progress_at: float = 0.0           # last time a byte came in the middle of a frame
     seen: set = field(default_factory=set)  # transfers with frames on this connection
+
+    @property
+    def mid_frame(self) -> bool:
+        return self.header is not None or self.end > self.start
 
 
 class Receiver:
@@ -164,43 +171,66 @@ class Receiver:
         """Read what the socket has, completing as many frames as it holds; raises when the stream
         is broken (``_Closed`` at a clean end between frames)."""
         while True:
-            if conn.header is None:
-                view = memoryview(conn.head)[conn.got:conn.need]
-            else:
+            if conn.header is None and self._next_header(conn):
+                continue
+            if conn.header is not None:
                 view = conn.payload[conn.got:]
+            else:
+                if conn.start:  # keep the unparsed tail at the front
+                    conn.buffer[:conn.end - conn.start] = conn.buffer[conn.start:conn.end]
+                    conn.start, conn.end = 0, conn.end - conn.start
+                view = memoryview(conn.buffer)[conn.end:]
             try:
                 n = conn.sock.recv_into(view)
             except BlockingIOError:
                 return
             if n == 0:
-                if conn.got == 0 and conn.header is None:
+                if not conn.mid_frame:
                     raise _Closed(f"KV connection from {conn.peer} closed")
-                wanted = conn.need if conn.header is None else len(conn.payload)
-                raise ProtocolError(f"truncated frame: connection closed after {conn.got} of {wanted} bytes",
-                                    conn.header.transfer_id if conn.header else None)
-            conn.got += n
+                if conn.header is None:
+                    raise ProtocolError(f"truncated frame: connection closed {conn.end - conn.start} bytes into "
+                                        "a header")
+                raise ProtocolError(f"truncated frame: connection closed after {conn.got} of {len(conn.payload)} "
+                                    "bytes", conn.header.transfer_id)
             conn.progress_at = time.monotonic()
             if conn.header is None:
-                if conn.got < conn.need:
-                    continue
-                if conn.fields is None:
-                    conn.fields = unpack_fixed(memoryview(conn.head)[:HEADER.size])
-                    conn.need += conn.fields[1]
-                    if conn.got < conn.need:
-                        continue
-                header = finish_header(conn.fields, memoryview(conn.head)[HEADER.size:conn.need],
-                                       self._settings.max_frame_bytes)
-                conn.seen.add(header.transfer_id)
-                self._stage(header.length)
-                conn.header, conn.got = header, 0
-                conn.payload = memoryview(numpy.empty(header.length, numpy.uint8))  # recv overwrites it
-            if conn.got < len(conn.payload):
+                conn.end += n
                 continue
-            header, payload = conn.header, conn.payload
-            conn.header, conn.payload, conn.fields, conn.got, conn.need = None, None, None, 0, HEADER.size
-            self._on_payload(header, payload, conn.peer, conn.seen)
-            if len(conn.seen) > 1024:
-                conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
+            conn.got += n
+            if conn.got == len(conn.payload):
+                self._complete(conn)
+
+    def _next_header(self, conn: _Connection) -> bool:
+        """Parse the next header from the read-ahead buffer, with as much of its payload as is
+        there; False when the buffer does not hold a whole header yet."""
+        available = conn.end - conn.start
+        if available < HEADER.size:
+            return False
+        head = memoryview(conn.buffer)
+        fields = unpack_fixed(head[conn.start:conn.start + HEADER.size])
+        size = HEADER.size + fields[1]
+        if available < size:
+            return False
+        header = finish_header(fields, head[conn.start + HEADER.size:conn.start + size],
+                               self._settings.max_frame_bytes)
+        conn.start += size
+        conn.seen.add(header.transfer_id)
+        self._stage(header.length)
+        conn.header = header
+        conn.payload = memoryview(numpy.empty(header.length, numpy.uint8))  # not zero-filled: it is overwritten
+        conn.got = min(header.length, conn.end - conn.start)
+        conn.payload[:conn.got] = head[conn.start:conn.start + conn.got]
+        conn.start += conn.got
+        if conn.got == header.length:
+            self._complete(conn)
+        return True
+
+    def _complete(self, conn: _Connection) -> None:
+        header, payload = conn.header, conn.payload
+        conn.header, conn.payload, conn.got = None, None, 0
+        self._on_payload(header, payload, conn.peer, conn.seen)
+        if len(conn.seen) > 1024:
+            conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
 
     def _stage(self, num_bytes: int) -> None:
         """Take staging room for a payload; waits (and so stops all reading) while there is none.
@@ -234,7 +264,7 @@ class Receiver:
     def _check_stalled(self, conns: dict, poller) -> None:
         now, limit = time.monotonic(), self._settings.io_timeout_s
         for conn in list(conns.values()):
-            if (conn.got or conn.header is not None) and now - max(conn.progress_at, self._resumed_at) > limit:
+            if conn.mid_frame and now - max(conn.progress_at, self._resumed_at) > limit:
                 self._drop(conn, ProtocolError(f"no data for {limit:.0f} s in the middle of a frame"), conns, poller)
 
     # TLS connections: a blocking reader each -------------------------------------------------------

@@ -12,6 +12,8 @@ a random token and ``Describe`` tells its name and token; a client that reads th
 uses shared memory, any other falls back to inline bytes. Files are created ``0600``, so only the
 pool's own user can take part. A pool removes its files at stop; one killed outright leaves
 them until a pool of the same name starts on the host (it removes files of pools no longer running).
+A client killed between writing its files and its Put leaves them too: a pool removes put files
+older than ``orphan_put_age_s`` at start and then every ``orphan_put_age_s / 2``.
 """
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ import os
 import re
 import secrets
 import stat
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 PUT_PREFIX = "prfaas-put-"
+ORPHAN_PUT_AGE_S = 120.0  # a put file is written just before its Put: one this old was never put
 _PUT_NAME = re.compile(r"prfaas-put-[A-Za-z0-9_.-]{1,200}")
 
 
@@ -94,12 +99,17 @@ def write_file(path: str, data) -> None:
 class ShmStore:
     """The pool's side: its directory, probe file and adopted block files."""
 
-    def __init__(self, directory: str | Path, pool_name: str) -> None:
+    def __init__(self, directory: str | Path, pool_name: str, orphan_put_age_s: float = ORPHAN_PUT_AGE_S) -> None:
         self.directory = str(Path(directory).resolve())
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(f"shared-memory directory {self.directory} does not exist")
         self._pool_prefix = f"prfaas-pool-{_safe(pool_name)}-"
         self._remove_files_of_dead_pools()
+        self._orphan_put_age_s = orphan_put_age_s
+        self.orphan_puts_removed = 0
+        self._stopped = threading.Event()
+        self.remove_orphan_puts()
+        threading.Thread(target=self._sweep, name="prfaas-pool-shm-sweep", daemon=True).start()
         self._prefix = f"{self._pool_prefix}{os.getpid()}-{secrets.token_hex(4)}-"
         self._names = itertools.count()
         self.probe_file = f"{self._prefix}probe"
@@ -126,8 +136,36 @@ class ShmStore:
             raise ValueError(f"shm.name {name!r} vanished before the pool took it over") from None
         return ShmBlockData(target, size)
 
+    def remove_orphan_puts(self) -> int:
+        """Remove this user's put files older than ``orphan_put_age_s``: their client died before
+        its Put (or gave up on it without cleaning up). Returns how many went."""
+        cutoff, removed = time.time() - self._orphan_put_age_s, 0
+        for entry in os.scandir(self.directory):
+            if not entry.name.startswith(PUT_PREFIX):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # adopted or removed meanwhile
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and info.st_mtime < cutoff:
+                _unlink(entry.path)
+                removed += 1
+        if removed:
+            self.orphan_puts_removed += removed
+            logger.warning("removed %d block file(s) that clients wrote to %s but never put (older than %.0f s)",
+                           removed, self.directory, self._orphan_put_age_s)
+        return removed
+
+    def _sweep(self) -> None:
+        while not self._stopped.wait(self._orphan_put_age_s / 2):
+            try:
+                self.remove_orphan_puts()
+            except OSError as exc:
+                logger.warning("sweeping %s for orphaned put files failed: %s", self.directory, exc)
+
     def close(self) -> None:
-        """Remove every file of this store (blocks and probe)."""
+        """Stop sweeping and remove every file of this store (blocks and probe)."""
+        self._stopped.set()
         for entry in os.scandir(self.directory):
             if entry.name.startswith(self._prefix):
                 _unlink(entry.path)

@@ -245,6 +245,30 @@ def test_block_files_of_a_killed_pool_are_removed_when_a_pool_of_that_name_start
     assert not os.path.exists(adopted.path) and alive.exists()
 
 
+def test_put_files_a_client_never_put_are_removed_once_old(tmp_path):
+    """A client killed between writing its block files and its Put leaves them behind; the pool
+    removes them at start and then periodically, once they are older than any Put takes."""
+    orphan = tmp_path / "prfaas-put-4242-dead-0"
+    orphan.write_bytes(b"x" * 4096)
+    os.utime(orphan, (time.time() - 600, time.time() - 600))
+    fresh = tmp_path / "prfaas-put-4242-live-0"
+    fresh.write_bytes(b"y" * 4096)
+    other = tmp_path / "unrelated-file"
+    other.write_bytes(b"z")
+    os.utime(other, (time.time() - 600, time.time() - 600))
+    store = ShmStore(tmp_path, "pool-x", orphan_put_age_s=1.0)
+    try:
+        assert not orphan.exists() and fresh.exists() and other.exists()  # swept at start
+        assert store.orphan_puts_removed == 1
+        deadline = time.monotonic() + 5
+        while fresh.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not fresh.exists() and store.orphan_puts_removed == 2  # swept once it was old enough
+        assert other.exists()
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("kv_host", ["127.0.0.1", ""], ids=["put-and-get", "put-only"])
 def test_a_client_without_shared_memory_moves_block_bytes_over_the_kv_transport(pool_process, kv_host):
     """A worker on another host: Puts stream to the pool's KV port; Gets come back pushed to the

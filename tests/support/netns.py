@@ -60,7 +60,7 @@ class VethLink:
         return self.host_if if side == "host" else self.ns_if
 
     def _on(self, side: Side, *argv: str, stdin: str | None = None) -> None:
-        _run(*(self.exec_argv(list(argv)) if side == "ns" else argv), stdin=stdin)
+        run_command(*(self.exec_argv(list(argv)) if side == "ns" else argv), stdin=stdin)
 
 
 @contextmanager
@@ -72,15 +72,15 @@ def veth_link(subnet: str = "10.213.77", rate_mbit: float | None = None, side: S
         raise PermissionError(reason)
     tag = f"pf{os.getpid() % 100000}x{next(_serial)}"
     link = VethLink(f"{tag}ns", f"{tag}a", f"{tag}b", f"{subnet}.1", f"{subnet}.2")
-    _run("ip", "netns", "add", link.ns)
+    run_command("ip", "netns", "add", link.ns)
     try:
-        _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
-        _run("ip", "link", "set", link.ns_if, "netns", link.ns)
-        _run("ip", "addr", "add", f"{link.host_addr}/30", "dev", link.host_if)
-        _run("ip", "link", "set", link.host_if, "up")
+        run_command("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
+        run_command("ip", "link", "set", link.ns_if, "netns", link.ns)
+        run_command("ip", "addr", "add", f"{link.host_addr}/30", "dev", link.host_if)
+        run_command("ip", "link", "set", link.host_if, "up")
         for argv in (["ip", "addr", "add", f"{link.ns_addr}/30", "dev", link.ns_if],
                      ["ip", "link", "set", link.ns_if, "up"], ["ip", "link", "set", "lo", "up"]):
-            _run(*link.exec_argv(argv))
+            run_command(*link.exec_argv(argv))
         for dev in (link.host_if, link.ns_if):  # segments no larger than on a real NIC's wire
             _ethtool(link, dev, "tso", "off", "gso", "off")
         if rate_mbit is not None:
@@ -94,10 +94,10 @@ def veth_link(subnet: str = "10.213.77", rate_mbit: float | None = None, side: S
 def _ethtool(link: VethLink, dev: str, *features: str) -> None:
     if shutil.which("ethtool") is not None:
         argv = ["ethtool", "-K", dev, *features]
-        _run(*(link.exec_argv(argv) if dev == link.ns_if else argv))
+        run_command(*(link.exec_argv(argv) if dev == link.ns_if else argv))
 
 
-def _run(*argv: str, stdin: str | None = None) -> None:
+def run_command(*argv: str, stdin: str | None = None) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, input=stdin)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from itertools import count
 from pathlib import Path
 
-from support.netns import VethLink, _run, available
+from support.netns import VethLink, available, run_command
 
 SOURCE = Path(__file__).with_name("delayline.c")
 _serial = count()
@@ -34,7 +34,7 @@ def delay_line_binary() -> Path:
             raise RuntimeError("the WAN delay line needs gcc to build tests/support/delayline.c")
         cache.mkdir(parents=True, exist_ok=True)
         partial = binary.with_suffix(f".{os.getpid()}")
-        _run("gcc", "-O2", "-pthread", "-o", str(partial), str(SOURCE))
+        run_command("gcc", "-O2", "-pthread", "-o", str(partial), str(SOURCE))
         partial.replace(binary)
     return binary
 
@@ -53,13 +53,13 @@ def wan_path(rate_mbit: float, rtt_ms: float, loss_percent: float = 0.0, buffer_
     try:
         if line.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay line exited with {line.wait()}")
-        _run("ip", "netns", "add", link.ns)
-        _run("ip", "link", "set", link.ns_if, "netns", link.ns)
-        _run("ip", "addr", "add", f"{link.host_addr}/32", "peer", link.ns_addr, "dev", link.host_if)
-        _run("ip", "link", "set", link.host_if, "up")
+        run_command("ip", "netns", "add", link.ns)
+        run_command("ip", "link", "set", link.ns_if, "netns", link.ns)
+        run_command("ip", "addr", "add", f"{link.host_addr}/32", "peer", link.ns_addr, "dev", link.host_if)
+        run_command("ip", "link", "set", link.host_if, "up")
         for argv in (["ip", "addr", "add", f"{link.ns_addr}/32", "peer", link.host_addr, "dev", link.ns_if],
                      ["ip", "link", "set", link.ns_if, "up"], ["ip", "link", "set", "lo", "up"]):
-            _run(*link.exec_argv(argv))
+            run_command(*link.exec_argv(argv))
         link.set_rate(rate_mbit, "host", buffer_ms, action="add")
         yield link
     finally:

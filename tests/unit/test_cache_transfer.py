@@ -19,12 +19,12 @@ from services.scheduling.offload import CacheTransfer
 
 
 KV_SETTINGS = TransportSettings(secret="pool-secret", recv_idle_timeout_s=5.0)
-KV_BYTES_RECEIVED: list[int] = []  # by the target pool's KV listener, in the last ``_run`` over the transport
 
 
 def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
-    """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools and
-    the outcome callbacks' records. ``kv``: both pools have a KV transport, so bytes go pool to pool."""
+    """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools, the
+    outcome callbacks' records and the bytes the target pool's KV listener received. ``kv``: both
+    pools have a KV transport, so bytes go pool to pool."""
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
     options = {"kv_port": 0, "transport": KV_SETTINGS} if kv else {}
     servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0, **options)
@@ -49,12 +49,11 @@ def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
 
     try:
         asyncio.run(main())
-        if kv:
-            KV_BYTES_RECEIVED[:] = [servers["local"].servicer.kv_bytes_received]
+        kv_bytes_received = servers["local"].servicer.kv_bytes_received
     finally:
         for server in servers.values():
             server.stop(0)
-    return pools, copied, failed
+    return pools, copied, failed, kv_bytes_received
 
 
 PROMPT = hashes(prompt(8))
@@ -64,12 +63,14 @@ PROMPT = hashes(prompt(8))
 def test_only_the_missing_blocks_and_the_last_state_cross(kv):
     source = blocks(FULL.group_id, PROMPT[:6]) + blocks(LINEAR.group_id, [PROMPT[2], PROMPT[5]])
     target = blocks(FULL.group_id, PROMPT[:2]) + blocks(LINEAR.group_id, [PROMPT[1]])
-    pools, copied, failed = _run(source, target, prefix_blocks=6, kv=kv)
+    pools, copied, failed, kv_bytes_received = _run(source, target, prefix_blocks=6, kv=kv)
     assert failed == []
     # blocks 2..5 of the attention group and the state at block 5: 5 blocks of 100 bytes
     assert copied == [("prfaas", "local", 5, 500)]
     if kv:
-        assert KV_BYTES_RECEIVED == [500]  # the bytes came over the target pool's KV listener
+        assert kv_bytes_received == 500  # the bytes came over the target pool's KV listener
+    else:
+        assert kv_bytes_received == 0
     assert pools["local"].lookup(query(PROMPT)).num_usable_blocks == 6
     assert not pools["local"].contains((MODEL, LINEAR.group_id, PROMPT[2]))  # no state that is not at the end
     assert pools["local"].get(MODEL, [(FULL.group_id, PROMPT[4])]) == blocks(FULL.group_id, [PROMPT[4]])
@@ -77,18 +78,18 @@ def test_only_the_missing_blocks_and_the_last_state_cross(kv):
 
 def test_a_target_that_holds_the_prefix_copies_nothing():
     source = blocks(FULL.group_id, PROMPT[:4]) + blocks(LINEAR.group_id, [PROMPT[3]])
-    pools, copied, failed = _run(source, source, prefix_blocks=4)
+    pools, copied, failed, _ = _run(source, source, prefix_blocks=4)
     assert (copied, failed) == ([("prfaas", "local", 0, 0)], [])
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
 def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only(kv):
     target = blocks(FULL.group_id, PROMPT[:1])
-    pools, copied, failed = _run(blocks(FULL.group_id, PROMPT[:3]), target, prefix_blocks=3, kv=kv)  # no state
+    pools, copied, failed, _ = _run(blocks(FULL.group_id, PROMPT[:3]), target, prefix_blocks=3, kv=kv)  # no state
     assert (copied, failed) == ([], [("prfaas", "local")])
     assert pools["local"].lookup(query(PROMPT)).num_full_attention_blocks == 1  # nothing half-copied
     dead = {"prfaas": f"127.0.0.1:{free_port()}", "local": f"127.0.0.1:{free_port()}"}
-    _, copied, failed = _run([], [], prefix_blocks=3, addresses=dead)
+    _, copied, failed, _ = _run([], [], prefix_blocks=3, addresses=dead)
     assert (copied, failed) == ([], [("prfaas", "local")])
 
 

@@ -100,6 +100,10 @@ class Receiver:
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept(), which holds the port open
+        except OSError:
+            pass
         self._listener.close()
         self._wakeup.wake()
 
@@ -156,6 +160,9 @@ class Receiver:
                         try:
                             self._read_some(conn)
                         except (ProtocolError, OSError, _Closed) as exc:
+                            self._drop(conn, exc, conns, poller)
+                        except Exception as exc:  # noqa: BLE001 - a bug must cost one connection, not all
+                            logger.exception("KV connection from %s: unexpected error", conn.peer)
                             self._drop(conn, exc, conns, poller)
                 self._check_stalled(conns, poller)
         finally:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = 1.0
 IO_POLL_S = 0.5  # longest wait for socket room before stalled connections are checked
+IDLE_CHECK_S = 0.5  # a connection unused this long is checked for a hang-up before it carries a frame
 
 
 @dataclass(slots=True)
@@ -207,6 +208,8 @@ class PeerLink:
     def _take(self, conn: "_Connection", poller) -> bool:
         """Give an idle connection the next frame to send (connecting first when needed)."""
         while (item := self._pop()) is not None:
+            if conn.sock is not None and time.monotonic() - conn.used_at > IDLE_CHECK_S and _hung_up(conn.sock):
+                self._drop(conn, poller, f"KV peer {self.peer} closed an idle connection")
             if conn.sock is None:
                 try:
                     conn.sock = self._connect()
@@ -226,6 +229,7 @@ class PeerLink:
 
     def _sent(self, conn: "_Connection") -> None:
         item, conn.item, conn.views = conn.item, None, []
+        conn.used_at = time.monotonic()
         self.telemetry.on_sent(conn.conn_id, conn.size)
         if conn.clock.due():
             self.telemetry.on_sample(conn.conn_id, tcp_info(conn.sock))
@@ -310,6 +314,7 @@ class _Connection:
     used_by: set = field(default_factory=set)   # transfers with frames sent on this socket
     watched: bool = False                        # registered for EPOLLOUT
     waiting_since: float = 0.0                   # blocked on a full socket since (0: not blocked)
+    used_at: float = 0.0                         # when it last finished a frame
 
 
 def _send_some(sock: socket.socket, views: list) -> bool:
@@ -327,6 +332,14 @@ def _send_some(sock: socket.socket, views: list) -> bool:
                 views[0] = views[0][sent:]
                 sent = 0
     return True
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed (or reset) this connection. A receiver never sends after the
+    handshake, so anything readable means it is going away."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLRDHUP)
+    return bool(poller.poll(0))
 
 
 def _parse_peer(peer: str) -> tuple[str, int]:

@@ -326,3 +326,49 @@ def test_a_peer_that_hangs_up_during_the_handshake_fails_the_transfer_not_the_se
         assert tx._links[peer]._thread.is_alive()
     finally:
         listener.close()
+
+
+def test_an_unexpected_error_on_one_connection_leaves_the_receiver_serving(pair, monkeypatch, caplog):
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=1))
+    receiver, real = rx._receiver, rx._receiver._on_payload
+    calls = []
+
+    def failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("bug")
+        return real(*args)
+
+    monkeypatch.setattr(receiver, "_on_payload", failing_once)
+    with caplog.at_level(logging.ERROR):
+        tx.send(peer, "first", 0, 0, 0, 1, b"a" * 4096)
+        tx.finish(peer, "first")
+        assert isinstance(collect(rx, "first")[1], TransferFailed)
+    assert any("unexpected error" in r.getMessage() for r in caplog.records)
+    time.sleep(1.1)  # the sender reconnects after its back-off
+    tx.send(peer, "second", 0, 0, 0, 1, b"b" * 4096)
+    tx.finish(peer, "second")
+    frames, end = collect(rx, "second")
+    assert isinstance(end, TransferDone) and bytes(frames[0].payload) == b"b" * 4096
+
+
+def test_the_first_transfer_after_the_receiver_restarts_goes_through(pair):
+    """A restarted decode worker: the sender's old connections were closed by the peer while idle;
+    they are noticed and replaced before they carry a frame, so no transfer is lost to them."""
+    rx, tx, peer = pair()
+    tx.send(peer, "before", 0, 0, 0, 64, os.urandom(64 << 14))
+    tx.finish(peer, "before")
+    assert isinstance(collect(rx, "before")[1], TransferDone)
+    port = rx.port
+    rx.close()
+    time.sleep(0.7)  # past IDLE_CHECK_S
+    restarted = KVTransport(TransportSettings(secret=SECRET), listen_port=port)
+    try:
+        data = os.urandom(64 << 14)
+        tx.send(peer, "after", 0, 0, 0, 64, data)
+        tx.finish(peer, "after")
+        frames, end = collect(restarted, "after")
+        assert isinstance(end, TransferDone)
+        assert b"".join(bytes(f.payload) for f in sorted(frames, key=lambda f: f.block_start)) == data
+    finally:
+        restarted.close()

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = 1.0
 IO_POLL_S = 0.5  # longest wait for socket room before stalled connections are checked
+MIN_NOTSENT_LOWAT = 128 << 10  # below this, a fast connection would wait on the I/O thread between frames
 IDLE_CHECK_S = 0.5  # a connection unused this long is checked for a hang-up before it carries a frame
 
 
@@ -218,7 +219,7 @@ class PeerLink:
                     self._fail(item.transfer_id, f"KV connection to {self.peer} failed: {exc}")
                     continue
                 poller.register(conn.sock, 0)
-                conn.used_by = set()
+                conn.used_by, conn.notsent_lowat = set(), self._settings.notsent_lowat_bytes
             conn.used_by.add(item.transfer_id)
             header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
                                    item.num_blocks, item.seq, item.payload)
@@ -232,11 +233,26 @@ class PeerLink:
         conn.used_at = time.monotonic()
         self.telemetry.on_sent(conn.conn_id, conn.size)
         if conn.clock.due():
-            self.telemetry.on_sample(conn.conn_id, tcp_info(conn.sock))
+            info = tcp_info(conn.sock)
+            self.telemetry.on_sample(conn.conn_id, info)
+            self._tune_notsent_lowat(conn, info)
         if item.kind == END:
             self._complete(item.transfer_id)
             conn.used_by.discard(item.transfer_id)
         self._release(item)
+
+    def _tune_notsent_lowat(self, conn: "_Connection", info: dict | None) -> None:
+        """Unsent bytes worth ``notsent_queue_ms`` at the connection's rate (see settings). The rate
+        is TCP's pacing rate, its estimate of what the path carries: delivery-rate samples taken while
+        the connection had nothing to send would shrink the queue of an idle fast connection."""
+        rate = (info or {}).get("pacing_rate_bps", 0) / 8
+        if not rate:
+            return
+        ceiling = self._settings.notsent_lowat_bytes
+        target = int(min(ceiling, max(MIN_NOTSENT_LOWAT, rate * self._settings.notsent_queue_ms / 1000)))
+        if abs(target - conn.notsent_lowat) > conn.notsent_lowat // 4:
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, target)
+            conn.notsent_lowat = target
 
     def _drop(self, conn: "_Connection", poller, reason: str) -> None:
         """A broken connection: close it and fail every transfer that used it."""
@@ -315,6 +331,7 @@ class _Connection:
     watched: bool = False                        # registered for EPOLLOUT
     waiting_since: float = 0.0                   # blocked on a full socket since (0: not blocked)
     used_at: float = 0.0                         # when it last finished a frame
+    notsent_lowat: int = 0                       # its TCP_NOTSENT_LOWAT now
 
 
 def _send_some(sock: socket.socket, views: list) -> bool:

@@ -19,9 +19,13 @@ class TransportSettings:
                             "a transfer in small units and none holds its tail.")
     max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts; senders never pack frames "
                                 "beyond it (a single block larger than this cannot be sent).")
-    notsent_lowat_bytes: int = _opt(1 << 20, "Unsent bytes a connection may hold in its socket buffer "
+    notsent_lowat_bytes: int = _opt(1 << 20, "Most unsent bytes a connection may hold in its socket buffer "
                                      "(`TCP_NOTSENT_LOWAT`); a frame goes to the next connection with room, so "
                                      "one slowed by loss does not sit on queued frames while the others idle.")
+    notsent_queue_ms: float = _opt(10.0, "Unsent bytes per connection as time at its rate (TCP's pacing rate): each "
+                                   "connection's `TCP_NOTSENT_LOWAT` follows rate x this, between 128 KiB and "
+                                   "`notsent_lowat_bytes`, so a slow WAN connection holds a short tail while a "
+                                   "fast local one keeps enough queued to stay busy.")
     max_inflight_bytes: int = _opt(512 << 20, "Bytes queued for sending, per peer; senders block beyond it.")
     max_staging_bytes: int = _opt(512 << 20, "Bytes received but not yet taken by the engine; readers pause "
                                   "beyond it.")

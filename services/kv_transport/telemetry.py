@@ -14,7 +14,8 @@ from dataclasses import dataclass
 _TCP_INFO_LEN = 232
 # Offsets into struct tcp_info (linux/tcp.h).
 _FIELDS = {"retransmits": ("B", 2), "rtt_us": ("I", 68), "rttvar_us": ("I", 72), "snd_cwnd": ("I", 80),
-           "total_retrans": ("I", 100), "delivery_rate_bps": ("Q", 160), "bytes_retrans": ("Q", 208)}
+           "total_retrans": ("I", 100), "pacing_rate_bps": ("Q", 104), "delivery_rate_bps": ("Q", 160),
+           "bytes_retrans": ("Q", 208)}
 
 
 def tcp_info(sock: socket.socket) -> dict[str, int] | None:
@@ -28,8 +29,9 @@ def tcp_info(sock: socket.socket) -> dict[str, int] | None:
         size = struct.calcsize(fmt)
         if offset + size <= len(raw):
             info[name] = struct.unpack_from("=" + fmt, raw, offset)[0]
-    if "delivery_rate_bps" in info:
-        info["delivery_rate_bps"] *= 8  # the kernel reports bytes per second
+    for rate in ("pacing_rate_bps", "delivery_rate_bps"):
+        if rate in info:
+            info[rate] *= 8  # the kernel reports bytes per second
     return info
 
 

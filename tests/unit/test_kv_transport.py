@@ -372,3 +372,29 @@ def test_the_first_transfer_after_the_receiver_restarts_goes_through(pair):
         assert b"".join(bytes(f.payload) for f in sorted(frames, key=lambda f: f.block_start)) == data
     finally:
         restarted.close()
+
+
+@pytest.mark.parametrize("pacing_bytes_per_s, expected", [
+    (14e6, 140_000),         # one of 8 connections on a 1 Gbit/s WAN: 10 ms of it
+    (2e6, 128 << 10),        # slower still: the floor
+    (40e9, 1 << 20),         # loopback: the configured ceiling
+    (None, 1 << 20),         # no sample: unchanged
+])
+def test_each_connection_queues_about_ten_ms_of_unsent_bytes(pacing_bytes_per_s, expected):
+    from services.kv_transport.sender import PeerLink, _Connection
+    from services.kv_transport.telemetry import Clock
+    link = PeerLink("127.0.0.1:1", TransportSettings(secret=SECRET), None)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        with socket.create_connection(listener.getsockname()) as sock:
+            conn = _Connection(0, Clock(1.0), sock=sock, notsent_lowat=1 << 20)
+            info = None if pacing_bytes_per_s is None else {"pacing_rate_bps": int(pacing_bytes_per_s * 8)}
+            link._tune_notsent_lowat(conn, info)
+            assert conn.notsent_lowat == expected
+            if pacing_bytes_per_s is not None and expected != 1 << 20:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == expected
+            link._tune_notsent_lowat(conn, {"pacing_rate_bps": int(expected * 1.1 * 100 * 8)})  # 10% more:
+            assert conn.notsent_lowat == expected  # not worth a system call
+    finally:
+        listener.close()
+        link.close()

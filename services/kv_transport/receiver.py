@@ -140,6 +140,8 @@ class Receiver:
         conn.setblocking(False)
         self._joining.append(_Connection(conn, peer))
         self._wakeup.wake()
+        if self._closed:  # the I/O thread may have gone already
+            conn.close()
 
     # The I/O thread (plain connections) -----------------------------------------------------------
 

@@ -2,17 +2,23 @@
 from __future__ import annotations
 
 import os
+import threading
 
 
 class WakePipe:
     def __init__(self) -> None:
         self.fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"x")
-        except OSError:
-            pass  # a wake-up is already pending (pipe full), or the I/O thread has closed the pipe
+        with self._lock:  # never write to a closed descriptor: its number may belong to another file by now
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"x")
+            except BlockingIOError:
+                pass  # a wake-up is already pending (pipe full)
 
     def drain(self) -> None:
         """Called by the woken thread, so that the next wait sleeps again."""
@@ -23,5 +29,7 @@ class WakePipe:
             pass
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._write_fd)
+        with self._lock:
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write_fd)

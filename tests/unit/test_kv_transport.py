@@ -398,3 +398,19 @@ def test_each_connection_queues_about_ten_ms_of_unsent_bytes(pacing_bytes_per_s,
     finally:
         listener.close()
         link.close()
+
+
+def test_a_closed_wake_pipe_never_writes_to_a_reused_descriptor():
+    from services.kv_transport.wakeup import WakePipe
+    pipe = WakePipe()
+    pipe.wake()
+    pipe.drain()
+    pipe.close()
+    reused_r, reused_w = os.pipe2(os.O_NONBLOCK)  # likely the numbers the closed pipe had
+    try:
+        pipe.wake()  # a late wake-up from another thread
+        with pytest.raises(BlockingIOError):
+            os.read(reused_r, 1)
+    finally:
+        os.close(reused_r)
+        os.close(reused_w)

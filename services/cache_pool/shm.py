@@ -10,10 +10,10 @@ memory budget counts tmpfs pages exactly as it counted bytes.
 Whether a client shares the pool's tmpfs is tested, not assumed: the pool writes a probe file with
 a random token and ``Describe`` tells its name and token; a client that reads the same token there
 uses shared memory, any other falls back to inline bytes. Files are created ``0600``, so only the
-pool's own user can take part. A pool removes its files at stop; one killed outright leaves
-them until a pool of the same name starts on the host (it removes files of pools no longer running).
-A client killed between writing its files and its Put leaves them too: a pool removes put files
-older than ``orphan_put_age_s`` at start and then every ``orphan_put_age_s / 2``.
+pool's own user can take part. A pool removes its files at stop. One killed outright leaves them,
+and a client killed between writing its files and its Put leaves those: at start and then every
+``orphan_put_age_s / 2``, a pool removes the files of killed pools of its name and put files older
+than ``orphan_put_age_s``.
 """
 from __future__ import annotations
 
@@ -104,11 +104,10 @@ class ShmStore:
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(f"shared-memory directory {self.directory} does not exist")
         self._pool_prefix = f"prfaas-pool-{_safe(pool_name)}-"
-        self._remove_files_of_dead_pools()
         self._orphan_put_age_s = orphan_put_age_s
         self.orphan_puts_removed = 0
         self._stopped = threading.Event()
-        self.remove_orphan_puts()
+        self.remove_stale_files()
         threading.Thread(target=self._sweep, name="prfaas-pool-shm-sweep", daemon=True).start()
         self._prefix = f"{self._pool_prefix}{os.getpid()}-{secrets.token_hex(4)}-"
         self._names = itertools.count()
@@ -136,11 +135,17 @@ class ShmStore:
             raise ValueError(f"shm.name {name!r} vanished before the pool took it over") from None
         return ShmBlockData(target, size)
 
-    def remove_orphan_puts(self) -> int:
-        """Remove this user's put files older than ``orphan_put_age_s``: their client died before
-        its Put (or gave up on it without cleaning up). Returns how many went."""
+    def remove_stale_files(self) -> int:
+        """Remove what nobody will read: files of killed pools of this name (their process is gone),
+        and this user's put files older than ``orphan_put_age_s`` (their client died before its Put,
+        or gave up on it without cleaning up). Returns how many put files went."""
         cutoff, removed = time.time() - self._orphan_put_age_s, 0
         for entry in os.scandir(self.directory):
+            if entry.name.startswith(self._pool_prefix):
+                pid = entry.name[len(self._pool_prefix):].split("-", 1)[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    _unlink(entry.path)
+                continue
             if not entry.name.startswith(PUT_PREFIX):
                 continue
             try:
@@ -159,9 +164,9 @@ class ShmStore:
     def _sweep(self) -> None:
         while not self._stopped.wait(self._orphan_put_age_s / 2):
             try:
-                self.remove_orphan_puts()
+                self.remove_stale_files()
             except OSError as exc:
-                logger.warning("sweeping %s for orphaned put files failed: %s", self.directory, exc)
+                logger.warning("sweeping %s for stale block files failed: %s", self.directory, exc)
 
     def close(self) -> None:
         """Stop sweeping and remove every file of this store (blocks and probe)."""
@@ -172,14 +177,6 @@ class ShmStore:
 
     def _new_path(self) -> str:
         return os.path.join(self.directory, f"{self._prefix}{next(self._names):x}")
-
-    def _remove_files_of_dead_pools(self) -> None:
-        """Files a pool of this name left when it was killed (its process is gone)."""
-        for entry in os.scandir(self.directory):
-            if entry.name.startswith(self._pool_prefix):
-                pid = entry.name[len(self._pool_prefix):].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
-                    _unlink(entry.path)
 
 
 def same_host_directory(directory: str, probe_file: str, token: bytes) -> str | None:

@@ -211,6 +211,9 @@ class PeerLink:
         while (item := self._pop()) is not None:
             if conn.sock is not None and time.monotonic() - conn.used_at > IDLE_CHECK_S and _hung_up(conn.sock):
                 self._drop(conn, poller, f"KV peer {self.peer} closed an idle connection")
+                with self._cond:  # the drop may have failed this frame's transfer: let _pop judge it again
+                    self._queue.appendleft(item)
+                continue
             if conn.sock is None:
                 try:
                     conn.sock = self._connect()

@@ -12,9 +12,10 @@ another connection (or, at the latest, its idle timeout).
 
 Payloads are copied into the socket (``sendmsg``), not spliced from the caller's memory. A
 zero-copy sender (``vmsplice`` into a pipe per connection, ``splice`` into the socket; same
-frames, checksums and receiver) was measured on loopback against this one: 31-33 against
-36-40 Gbit/s, with the same sender CPU per GiB (0.23-0.25 s) and more on the receiver (0.25-0.31
-against 0.20-0.22 s), which then copies out of 4 KiB page fragments. It would also tie the
+frames, checksums and receiver) was measured on loopback against the same loop with ``sendmsg``:
+26-33 against 36-40 Gbit/s, with no less sender CPU per GiB (0.23-0.31 s against 0.21-0.23 s)
+and more on the receiver (0.25-0.31 against 0.20-0.22 s), which then copies out of 4 KiB page
+fragments. It would also tie the
 caller's buffer to the receiver: on one host the receiving socket reads the sender's pages when
 the application reads, long after TCP acknowledged them, so a buffer reused early would be sent
 changed.

@@ -41,26 +41,39 @@ def _run(args) -> int:
                  if v is not None}
     pool_config = dataclasses.replace(pool_config, **overrides)
     setup_logging(pool_config.name, args.log_level or config.logging.level, config.logging.json)
-    from services.kv_transport.settings import TransportSettings
+    from services.security import check_listeners
+    from services.security.exposure import pool_listeners
 
     try:
-        serve_cache_pool(pool_config, TransportSettings.of(config.transport))
+        check_listeners(config, pool_listeners(config, pool_config))
+    except ConfigError as exc:
+        print(f"prfaas: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve_cache_pool(pool_config, config)
     except OSError as exc:
         logger.error("cache pool %s cannot start: %s", pool_config.name, exc)
         return 1
     return 0
 
 
-def serve_cache_pool(config, transport=None, grace_s: float = 5.0) -> None:
-    """Serve until SIGTERM or SIGINT, then give in-flight calls ``grace_s`` to finish."""
+def serve_cache_pool(config, deployment, grace_s: float = 5.0) -> None:
+    """Serve ``config`` (one of ``deployment.cache_pools``) until SIGTERM or SIGINT, then give
+    in-flight calls ``grace_s`` to finish."""
     from services.cache_pool.pool import CachePool
     from services.cache_pool.server import PoolIdentity, start_pool_server
     from services.cache_pool.ssd import SsdTier
+    from services.kv_transport.settings import TransportSettings
+    from services.security import GrpcSecurity
+    from services.security.peers import pool_kv_targets
 
     ssd = SsdTier(config.ssd_dir, config.ssd_budget_bytes) if config.ssd_dir else None
     pool = CachePool(config.memory_budget_bytes, ssd)
     running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port,
-                                shm_dir=config.shared_memory_dir, kv_port=config.kv_port, transport=transport)
+                                shm_dir=config.shared_memory_dir, kv_port=config.kv_port,
+                                transport=TransportSettings.of(deployment.transport),
+                                security=GrpcSecurity.of(deployment), peers=pool_kv_targets(deployment, config.name),
+                                health_port=config.health_port)
     if config.metrics_port is not None:
         running.servicer.metrics.start_http_server(config.host, config.metrics_port)
     stop = threading.Event()

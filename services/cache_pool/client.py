@@ -28,9 +28,9 @@ from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
 from services.cache_pool import convert, shm
 from services.cache_pool.inbox import TransferError, TransferInbox
-from services.cache_pool.server import GRPC_OPTIONS
 from services.cache_pool.types import Block, BlockMissingError, LookupQuery, LookupResult, PoolStats, PutResult
 from services.kv_transport import KVTransport, TransportSettings
+from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ MESSAGE_BYTES = 16 << 20
 
 class CachePoolClient:
     def __init__(self, address: str, shared_memory: bool = True, transport: TransportSettings | None = None,
-                 kv_host: str = "") -> None:
-        """``shared_memory`` False: never through shared memory, even on the pool's host.
+                 kv_host: str = "", security: GrpcSecurity | None = None) -> None:
+        """``security``: the deployment's gRPC credentials (``GrpcSecurity.of(config)``).
+        ``shared_memory`` False: never through shared memory, even on the pool's host.
         ``transport``: where shared memory is not available and the pool has a KV port, Puts send
         the bytes over a KV transport of these settings, and Gets (with ``kv_host``, this host's
         address as the pool can reach it) have the pool push them to a listener opened here."""
@@ -49,7 +50,7 @@ class CachePoolClient:
         self._kv_host = "" if kv_host in ("0.0.0.0", "::") else kv_host
         self._kv: TransferInbox | None = None
         self._kv_sender: KVTransport | None = None
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or GrpcSecurity()).aio_channel(address)
         self._stub = pb_grpc.CachePoolStub(self._channel)
         self._shared_memory = shared_memory
         self._described: pb.DescribeResponse | None = None
@@ -156,10 +157,13 @@ class CachePoolClient:
         return blocks
 
     async def _get_pushed(self, model: str, refs: Sequence[tuple[int, bytes]]) -> list[Block]:
-        """The pool pushes the blocks to this client's KV listener (opened on first use)."""
+        """The pool pushes the blocks to this client's KV listener (opened on first use), at the
+        address it sees this call come from."""
         inbox = self._kv_inbox()
         kv_transfer_id = f"pool-get-{uuid.uuid4().hex}"
-        await self.push(model, refs, f"{self._kv_host}:{inbox.transport.port}", kv_transfer_id)
+        await self._stub.Push(pb.PushRequest(
+            model=model, caller_kv_port=inbox.transport.port, kv_transfer_id=kv_transfer_id,
+            blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in refs]))
         try:
             frames = await asyncio.to_thread(inbox.take, kv_transfer_id, self._kv_settings.recv_idle_timeout_s)
         except TransferError as exc:

@@ -92,9 +92,13 @@ def check_push(request: pb.PushRequest) -> None:
     if not request.blocks:
         raise ValueError("blocks is empty")
     _check_hashes([b.block_hash for b in request.blocks], "blocks[].block_hash")
-    host, _, port = request.kv_target.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"kv_target {request.kv_target!r} is not host:port")
+    if request.caller_kv_port:
+        if request.kv_target or request.caller_kv_port > 65535:
+            raise ValueError("caller_kv_port must be a TCP port, and kv_target empty with it")
+    else:
+        host, _, port = request.kv_target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"kv_target {request.kv_target!r} is not host:port")
     if not request.kv_transfer_id or len(request.kv_transfer_id.encode()) > 255:
         raise ValueError("kv_transfer_id must be 1 to 255 bytes")
 

@@ -14,19 +14,23 @@ import grpc
 
 from services.cache_pool.client import CachePoolClient
 from services.cache_pool.types import LookupQuery, LookupResult
+from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
 
 class GlobalCacheIndex:
-    def __init__(self, pool_addresses: Mapping[str, str], timeout_s: float = 0.05) -> None:
+    def __init__(self, pool_addresses: Mapping[str, str], timeout_s: float = 0.05,
+                 security: GrpcSecurity | None = None) -> None:
         """``pool_addresses``: cluster name → its pool's gRPC address (host:port)."""
-        self._clients = {cluster: CachePoolClient(address) for cluster, address in pool_addresses.items()}
+        self._clients = {cluster: CachePoolClient(address, security=security)
+                         for cluster, address in pool_addresses.items()}
         self.timeout_s = timeout_s
 
     @classmethod
     def from_config(cls, config, timeout_s: float = 0.05) -> "GlobalCacheIndex":
-        return cls({p.cluster: f"{p.host}:{p.port}" for p in config.cache_pools}, timeout_s)
+        return cls({p.cluster: f"{p.host}:{p.port}" for p in config.cache_pools}, timeout_s,
+                   GrpcSecurity.of(config))
 
     @property
     def clients(self) -> dict[str, CachePoolClient]:

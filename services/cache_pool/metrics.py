@@ -18,12 +18,15 @@ LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.0
 
 
 class PoolMetrics:
-    def __init__(self, stats: Callable[[], PoolStats]) -> None:
+    def __init__(self, stats: Callable[[], PoolStats], rejections=None) -> None:
+        """``rejections``: the gRPC calls the pool refused (``services.security.Rejections``)."""
         self.registry = CollectorRegistry()
         self.lookup_latency = Histogram(
             "prfaas_cache_pool_lookup_latency_seconds", "Time to answer one Lookup RPC (index only).",
             buckets=LOOKUP_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(stats))
+        if rejections is not None:
+            self.registry.register(_RejectionCollector(rejections))
         self.num_lookups = 0
         self.lookup_seconds_total = 0.0
 
@@ -65,6 +68,19 @@ class _PoolCollector:
         yield CounterMetricFamily("prfaas_cache_pool_ssd_read_errors",
                                   "SSD entries missing or failing their checksum (served as misses).",
                                   value=s.ssd_read_errors)
+
+
+class _RejectionCollector:
+    def __init__(self, rejections) -> None:
+        self._rejections = rejections
+
+    def collect(self) -> Iterator[Metric]:
+        metric = CounterMetricFamily("prfaas_grpc_rejected", "gRPC calls a service refused, by reason: missing_token, "
+                                     "wrong_token (UNAUTHENTICATED), unknown_peer (PERMISSION_DENIED).",
+                                     labels=["service", "reason"])
+        for reason, count in self._rejections.snapshot().items():
+            metric.add_metric([self._rejections.service, reason], count)
+        yield metric
 
 
 def _labelled(family, name: str, documentation: str, label: str, values: dict[str, float]) -> Metric:

@@ -19,13 +19,12 @@ from services.cache_pool.pool import CachePool
 from services.cache_pool.shm import ShmFile, ShmStore, release
 from services.cache_pool.types import Block, BlockMissingError, PoolFullError, PoolStats
 from services.kv_transport import KVTransport, TransportSettings
+from services.security import GrpcSecurity, KnownPeers, Rejections
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CachePool"].full_name
-MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+NO_PEERS = KnownPeers(frozenset(), "deployment's other cache pools (cache_pools[].host:kv_port)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +35,19 @@ class PoolIdentity:
 
 class CachePoolServicer(pb_grpc.CachePoolServicer):
     def __init__(self, pool: CachePool, identity: PoolIdentity, shm: ShmStore | None = None,
-                 inbox: TransferInbox | None = None) -> None:
+                 inbox: TransferInbox | None = None, peers: KnownPeers = NO_PEERS,
+                 rejections: Rejections | None = None) -> None:
         """``shm``: the shared-memory directory offered to clients on this host (None: inline only).
-        ``inbox``: the pool's KV transport, for pool-to-pool copies (None: Push and kv Puts refused)."""
+        ``inbox``: the pool's KV transport, for pool-to-pool copies (None: Push and kv Puts refused).
+        ``peers``: the other pools' KV addresses, the only ``kv_target``s a Push may name."""
         self._pool = pool
         self._identity = identity
         self._shm = shm
         self._inbox = inbox
+        self._peers = peers
+        self.rejections = rejections or Rejections(identity.name)
         self._lock = threading.Lock()
-        self.metrics = PoolMetrics(self.snapshot)
+        self.metrics = PoolMetrics(self.snapshot, self.rejections)
 
     def snapshot(self) -> PoolStats:
         with self._lock:
@@ -96,6 +99,7 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         if self._inbox is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pool has no KV transport (set its kv_port)")
         _parsed(convert.check_push, request, context)
+        target = self._push_target(request, context)
         refs = [(b.group_id, b.block_hash) for b in request.blocks]
         try:
             with self._lock:
@@ -104,9 +108,19 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
         transport = self._inbox.transport
         for i, block in enumerate(blocks):
-            transport.send(request.kv_target, request.kv_transfer_id, i, block.group_id, 0, 1, block.data)
-        transport.finish(request.kv_target, request.kv_transfer_id)
+            transport.send(target, request.kv_transfer_id, i, block.group_id, 0, 1, block.data)
+        transport.finish(target, request.kv_transfer_id)
         return pb.PushResponse(num_blocks=len(blocks), num_bytes=sum(len(b.data) for b in blocks))
+
+    def _push_target(self, request: pb.PushRequest, context) -> str:
+        """A configured peer pool, or a port on the caller's own address; PERMISSION_DENIED otherwise."""
+        if request.caller_kv_port:
+            return f"{_caller_host(context.peer())}:{request.caller_kv_port}"
+        if (why := self._peers.refusal(request.kv_target)) is not None:
+            self.rejections.count("unknown_peer")
+            logger.warning("cache pool %s: refused Push from %s: %s", self._identity.name, context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        return request.kv_target
 
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
         response = pb.DescribeResponse(pool=self._identity.name, cluster=self._identity.cluster,
@@ -179,37 +193,52 @@ class RunningPool:
     servicer: CachePoolServicer
     health: health.HealthServicer
     port: int
+    probes: grpc.Server | None = None  # the plaintext health-only server (``health_port``)
 
     def stop(self, grace_s: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        if self.probes is not None:
+            self.probes.stop(0).wait()
         self.servicer.close()
 
 
 def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: int,
                       max_workers: int = 8, shm_dir: str | None = None, kv_port: int | None = None,
-                      transport: TransportSettings | None = None) -> RunningPool:
+                      transport: TransportSettings | None = None, security: GrpcSecurity = GrpcSecurity(),
+                      peers: KnownPeers = NO_PEERS, health_port: int | None = None) -> RunningPool:
     """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port).
     ``shm_dir``: a tmpfs directory through which same-host clients move block bytes (see ``shm``).
     ``kv_port``: listen there (0: any free port) with a KV transport of ``transport`` settings, for
-    copies from and to other pools (see ``inbox``)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    copies from and to other pools (see ``inbox``), which ``peers`` lists.
+    ``security``: TLS, the accepted bearer tokens and message bounds of the gRPC server.
+    ``health_port``: also serve the health service alone there, in plaintext (for probes)."""
+    rejections = Rejections(identity.name)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=security.options,
+                         interceptors=security.interceptors(rejections))
     inbox = None
     if kv_port is not None:
         settings = transport or TransportSettings()
         inbox = TransferInbox(KVTransport(settings, listen_host=host, listen_port=kv_port),
                               settings.recv_idle_timeout_s)
-    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name), inbox)
+    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name), inbox, peers, rejections)
     pb_grpc.add_CachePoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")
+    probes = None
+    if health_port is not None:
+        probes = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=security.options)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        if probes.add_insecure_port(f"{host}:{health_port}") == 0:
+            raise OSError(f"cannot bind health port {host}:{health_port}")
+        probes.start()
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningPool(server, servicer, health_servicer, bound)
+    return RunningPool(server, servicer, health_servicer, bound, probes)
 
 
 def _shm_store(directory: str | None, pool_name: str) -> ShmStore | None:
@@ -221,6 +250,12 @@ def _shm_store(directory: str | None, pool_name: str) -> ShmStore | None:
         logger.warning("cache pool %s: no shared memory for same-host clients (%s); block bytes go inline",
                        pool_name, exc)
         return None
+
+
+def _caller_host(peer: str) -> str:
+    """The host part of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
+    address = peer.partition(":")[2].rpartition(":")[0]
+    return address if address.startswith("[") or ":" not in address else f"[{address}]"
 
 
 def _release(blocks: list[Block]) -> None:

@@ -6,7 +6,8 @@ from services.config.errors import ConfigError
 
 def check_cache_pools(config) -> None:
     taken = {(config.router.host, config.router.port)}
-    taken |= {(w.host, port) for w in config.workers for port in (w.port, w.kv_port) if port is not None}
+    taken |= {(w.host, port) for w in config.workers
+              for port in (w.port, w.kv_port, w.health_port) if port is not None}
     names: set[str] = set()
     clusters: set[str] = set()
     for i, pool in enumerate(config.cache_pools):
@@ -17,7 +18,7 @@ def check_cache_pools(config) -> None:
             raise ConfigError(f"{path}.cluster: cluster {pool.cluster!r} already has a cache pool")
         names.add(pool.name)
         clusters.add(pool.cluster)
-        for key in ("port", "metrics_port", "kv_port"):
+        for key in ("port", "metrics_port", "kv_port", "health_port"):
             _check_port(pool, key, path, taken)
         for key in ("memory_budget_gib", "ssd_budget_gib"):
             if getattr(pool, key) <= 0:

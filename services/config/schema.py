@@ -59,6 +59,9 @@ class WorkerConfig:
     kv_port: int | None = _opt(
         None, "KV data-plane port (TCP) where the worker receives streamed KV; needed on workers that "
         "decode requests prefilled elsewhere (the PrfaaS and PD-P paths).")
+    health_port: int | None = _opt(
+        None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
+        "probes); it tells whether the worker is SERVING and nothing else. Null: health on `port` only.")
     engine: dict = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
     env: dict = _opt({}, "Environment variables set in the worker process before its engine starts "
                      "(e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their own cores).")
@@ -75,6 +78,14 @@ class RouterConfig:
     request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
     stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
+
+    @property
+    def accepted_api_keys(self) -> frozenset[str]:
+        """``api_keys`` and those in ``api_keys_env``."""
+        import os
+
+        from_env = os.environ.get(self.api_keys_env, "")
+        return frozenset(k.strip() for k in (*self.api_keys, *from_env.split(",")) if k.strip())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +206,9 @@ class CachePoolConfig:
     port: int = _required("gRPC port of the pool (CachePool service in proto/prfaas/v1/cache_pool.proto, "
                           "grpc.health.v1).")
     metrics_port: int | None = _opt(None, "HTTP port of the pool's Prometheus `/metrics`; none when null.")
+    health_port: int | None = _opt(
+        None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
+        "probes). Null: health on `port` only.")
     memory_budget_gib: float = _opt(
         4.0, "Host memory for block data in GiB, counted exactly; the process' own overhead comes on top.")
     ssd_dir: str | None = _opt(None, "Directory of the SSD tier (its block files are removed at start); no SSD "
@@ -220,6 +234,37 @@ class CachePoolConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    token: str = _opt("", "Shared bearer token every gRPC caller sends (router -> workers, workers -> cache pools, "
+                      "router -> pools) and every gRPC server checks; empty: read it from `token_env`. "
+                      "`prfaas up` generates one when neither is set.")
+    token_env: str = _opt("PRFAAS_GRPC_TOKEN", "Environment variable with the gRPC bearer token.")
+    previous_tokens: tuple[str, ...] = _opt(
+        (), "Tokens servers still accept while a new `token` is rolled out (callers send only `token`); remove "
+        "them once every caller runs with the new one.")
+    previous_tokens_env: str = _opt("PRFAAS_GRPC_PREVIOUS_TOKENS",
+                                    "Environment variable with more previous tokens, comma-separated.")
+    insecure: bool = _opt(
+        False, "Lab opt-out: allow non-loopback listeners without credentials (no gRPC token or TLS, no KV "
+        "secret or TLS, no router API keys). Every service logs a warning at start while it is set.")
+    grpc_max_message_bytes: int = _opt(64 << 20, "Largest gRPC message any service sends or accepts.")
+    grpc_max_concurrent_streams: int = _opt(256, "Most concurrent gRPC calls one client connection may open.")
+
+    @property
+    def token_value(self) -> str:
+        import os
+
+        return self.token or os.environ.get(self.token_env, "")
+
+    @property
+    def accepted_tokens(self) -> tuple[str, ...]:
+        import os
+
+        extra = [t.strip() for t in os.environ.get(self.previous_tokens_env, "").split(",") if t.strip()]
+        return tuple(t for t in (self.token_value, *self.previous_tokens, *extra) if t)
+
+
+@dataclass(frozen=True, slots=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level of every service.")
     json: bool = _opt(False, "One JSON object per log line instead of plain text.")
@@ -236,6 +281,10 @@ class DeploymentConfig:
         (), "Hybrid prefix cache pools (`prfaas cache-pool`), at most one per cluster.")
     scheduler: SchedulerConfig = _opt(SchedulerConfig(), "Where each request's prefill runs.")
     logging: LoggingConfig = _opt(LoggingConfig(), "Logging of every service.")
+    security: SecurityConfig = _opt(
+        SecurityConfig(), "Who may call each port: the gRPC bearer token (mutual TLS with `transport.tls_*`, "
+        "which secure gRPC and the KV data plane alike), and the lab-only `insecure` opt-out. See "
+        "docs/deployment.md, \"Threat model\".")
     transport: dict = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or `secret_env` "
                            "(PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, `max_frame_bytes`, "
                            "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see services/kv_transport/settings.py.")
@@ -246,6 +295,9 @@ class DeploymentConfig:
 
         TransportSettings.of(self.transport)
         check_cache_pools(self)
+        for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
+            if getattr(self.security, key) <= 0:
+                raise ConfigError(f"security.{key}: must be positive, got {getattr(self.security, key)!r}")
         self.scheduler.validate()
         names = [w.name for w in self.workers]
         for i, name in enumerate(names):
@@ -253,7 +305,7 @@ class DeploymentConfig:
                 raise ConfigError(f"workers[{i}].name: duplicate worker name {name!r}")
         seen = {(self.router.host, self.router.port)}
         for i, worker in enumerate(self.workers):
-            for key in ("port", "kv_port"):
+            for key in ("port", "kv_port", "health_port"):
                 endpoint = (worker.host, getattr(worker, key))
                 if endpoint[1] is None:
                     continue
@@ -263,7 +315,7 @@ class DeploymentConfig:
         if not any(w.service == "decode_worker" and w.role != "prefill" for w in self.workers):
             raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
         for i, worker in enumerate(self.workers):
-            for key in ("port", "kv_port"):
+            for key in ("port", "kv_port", "health_port"):
                 value = getattr(worker, key)
                 if value is not None and not 0 < value < 65536:
                     raise ConfigError(f"workers[{i}].{key}: {value} is not a TCP port")

@@ -9,16 +9,17 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.engine import convert
 from services.engine.engine import Engine
-from services.engine.serve import WorkerIdentity
+from services.engine.serve import CallerGuard, WorkerIdentity
 from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, engine: Engine, identity: WorkerIdentity) -> None:
+    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
         self._engine = engine
         self._identity = identity
+        self._guard = guard
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Streams the request's output; a cancelled call aborts it in the engine."""
@@ -37,10 +38,10 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             await stream.aclose()
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return stats_message(self._engine, self._identity)
+        return stats_message(self._engine, self._identity, self._guard)
 
 
-def stats_message(engine: Engine, identity: WorkerIdentity) -> pb.WorkerStats:
+def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> pb.WorkerStats:
     return convert.stats_to_proto(
         engine.stats(),
         worker_name=identity.worker_name,
@@ -48,15 +49,16 @@ def stats_message(engine: Engine, identity: WorkerIdentity) -> pb.WorkerStats:
         role=identity.role,
         model=identity.model,
         max_model_len=engine.max_model_len if engine.started else 0,
+        grpc_rejected=guard.rejections.snapshot(),
     )
 
 
-def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
+def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:
     """Registers DecodeWorker and PrefillWorker, whatever the configured role: the engine's connector
     is ``kv_both``, so the router can flip a local PD worker between prefill and decode at run time
     (``scheduler.role_flips``) without telling the worker; it sends prefills only to prefill roles."""
     from services.prefill_worker.server import PrefillWorkerServicer
 
-    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity), server)
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity, guard), server)
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity, guard), server)
     return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

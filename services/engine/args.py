@@ -32,7 +32,8 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
     from services.kv_connector.settings import ConnectorSettings
 
     settings = ConnectorSettings(listen_host=worker.host, listen_port=worker.kv_port,
-                                 transport=config.transport, **cache_pool_settings(config, worker))
+                                 transport=config.transport, security=_plain(config.security),
+                                 **cache_pool_settings(config, worker))
     return KVTransferConfig(
         kv_connector="PrfaasConnector",
         kv_connector_module_path="services.kv_connector.connector",
@@ -40,6 +41,13 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=settings.to_extra_config(),
     )
+
+
+def _plain(section) -> dict:
+    """A config section as YAML would give it (lists, not tuples), for vLLM's extra config."""
+    import dataclasses
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(section).items()}
 
 
 def cache_pool_settings(config: DeploymentConfig, worker: WorkerConfig) -> dict:

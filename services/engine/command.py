@@ -9,6 +9,8 @@ import sys
 
 from services.config import ConfigError, load_config
 from services.logs import setup_logging
+from services.security import check_listeners
+from services.security.exposure import worker_listeners
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,11 @@ def run_worker_command(args: argparse.Namespace, service: str, add_servicer) -> 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     worker = dataclasses.replace(worker, **overrides)
     setup_logging(worker.name, args.log_level or config.logging.level, config.logging.json)
+    try:
+        check_listeners(config, worker_listeners(config, worker))
+    except ConfigError as exc:
+        print(f"prfaas: {exc}", file=sys.stderr)
+        return 2
     os.environ.update({str(k): str(v) for k, v in worker.env.items()})
     import uvloop
 

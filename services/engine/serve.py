@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
 from services.engine.engine import Engine
+from services.security import GrpcSecurity, KnownPeers, Rejections
+from services.security.peers import decode_kv_targets
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +40,36 @@ class WorkerIdentity:
         return cls(worker.name, worker.service, worker.role, config.model.name)
 
 
-AddServicer = Callable[[Engine, WorkerIdentity, grpc.aio.Server], str]
+@dataclass(frozen=True, slots=True)
+class CallerGuard:
+    """What a worker's servicers enforce beyond the token check: the KV targets a Prefill may name,
+    and the count of refused calls (reported in ``WorkerStats.grpc_rejected``)."""
+    kv_targets: KnownPeers
+    rejections: Rejections
+
+
+AddServicer = Callable[[Engine, WorkerIdentity, grpc.aio.Server, CallerGuard], str]
 
 
 async def serve_worker(
     config: DeploymentConfig, worker: WorkerConfig, add_servicer: AddServicer, grace_s: float = 30.0
 ) -> None:
     """Run one worker until SIGTERM/SIGINT. ``add_servicer`` registers the service, returns its name."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    security = GrpcSecurity.of(config)
+    guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
+    server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     engine = Engine(engine_args(config.model, config.engine_for(worker),
                                 kv_transfer_config=kv_transfer_config(config, worker)))
-    service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server)
+    service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
     address = f"{worker.host}:{worker.port}"
-    if server.add_insecure_port(address) == 0:
+    if security.add_port(server, address) == 0:
         raise OSError(f"cannot bind gRPC port {address}")
+    probes = await _start_health_port(health_servicer, worker.host, worker.health_port, security)
     await server.start()
-    logger.info("%s %s listening on %s; starting engine", worker.service, worker.name, address)
+    logger.info("%s %s listening on %s (%s); starting engine", worker.service, worker.name, address,
+                _describe(security))
     stop = _stop_event()
     try:
         await _start_engine(engine, stop)
@@ -69,8 +83,30 @@ async def serve_worker(
         await server.stop(grace_s)
     finally:
         await server.stop(0)
+        if probes is not None:
+            await probes.stop(0)
         engine.shutdown()
         logger.info("%s %s stopped", worker.service, worker.name)
+
+
+async def _start_health_port(servicer: health.aio.HealthServicer, host: str, port: int | None,
+                             security: GrpcSecurity) -> grpc.aio.Server | None:
+    """A plaintext server with nothing but the health service (``health_port``), for probes that
+    cannot do TLS; it shares the main server's health states."""
+    if port is None:
+        return None
+    probes = grpc.aio.server(options=security.options)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, probes)
+    if probes.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot bind health port {host}:{port}")
+    await probes.start()
+    return probes
+
+
+def _describe(security: GrpcSecurity) -> str:
+    parts = ["mutual TLS" if security.uses_tls else "plaintext",
+             "bearer token required" if security.checks_token else "NO token check"]
+    return ", ".join(parts)
 
 
 async def _start_engine(engine: Engine, stop: asyncio.Event) -> None:

@@ -57,13 +57,16 @@ class PoolModel:
 
 
 class PoolIO:
-    def __init__(self, address: str, lookup_timeout_s: float, transport=None, kv_host: str = "") -> None:
+    def __init__(self, address: str, lookup_timeout_s: float, transport=None, kv_host: str = "",
+                 security=None) -> None:
         """``transport`` (``TransportSettings``) and ``kv_host``: the KV transport path to a pool on
-        another host (see ``CachePoolClient``); a pool on this host is reached through shared memory."""
+        another host (see ``CachePoolClient``); a pool on this host is reached through shared memory.
+        ``security`` (``GrpcSecurity``): the gRPC credentials the pool wants."""
         self.address = address
         self.lookup_timeout_s = lookup_timeout_s
         self._transport = transport
         self._kv_host = kv_host
+        self._security = security
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="prfaas-cache-pool", daemon=True)
         self._thread.start()
@@ -95,7 +98,8 @@ class PoolIO:
     async def _new_client(self):
         from services.cache_pool.client import CachePoolClient
 
-        return CachePoolClient(self.address, transport=self._transport, kv_host=self._kv_host)
+        return CachePoolClient(self.address, transport=self._transport, kv_host=self._kv_host,
+                               security=self._security)
 
     async def _connect(self) -> None:
         """Open the connection now, not inside the first lookup's deadline (failures are not fatal)."""

@@ -16,6 +16,7 @@ class ConnectorSettings:
     # (only useful to measure what layer-wise streaming saves: bench/layerwise_overlap.py).
     layerwise: bool = True
     transport: dict = field(default_factory=dict)
+    security: dict = field(default_factory=dict)  # the deployment's `security` section (gRPC to the pool)
     # The cluster's cache pool (host:port); None: no pool, nothing is looked up, loaded or stored.
     cache_pool_address: str | None = None
     cache_pool_model: str = ""  # the pool's model key (names the model and its KV layout)
@@ -50,7 +51,15 @@ class ConnectorSettings:
         from services.kv_transport import TransportSettings
 
         return PoolIO(self.cache_pool_address, self.cache_pool_lookup_timeout_s,
-                      TransportSettings.of(self.transport), self.listen_host), model
+                      TransportSettings.of(self.transport), self.listen_host, self.grpc_security), model
+
+    @property
+    def grpc_security(self):
+        from services.config.load import build
+        from services.config.schema import SecurityConfig
+        from services.security import GrpcSecurity
+
+        return GrpcSecurity.from_sections(build(SecurityConfig, self.security, "security"), self.transport)
 
     def open_streams(self):
         from services.kv_transport import KVTransport, TransportSettings

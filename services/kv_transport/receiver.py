@@ -86,6 +86,7 @@ class Receiver:
         self._closed = False
         self._resumed_at = 0.0  # when the I/O thread last got staging room after waiting for it
         self._joining: deque[_Connection] = deque()
+        self._slots = _Slots(settings.max_pending_handshakes, settings.max_connections_per_peer)
         self._wakeup = WakePipe()
         self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
@@ -117,10 +118,23 @@ class Receiver:
             except OSError:
                 return
             peer = f"{address[0]}:{address[1]}"
+            if (why := self._slots.take(address[0])) is not None:
+                self._refuse_at_accept(conn, peer, why)
+                continue
             threading.Thread(target=self._admit, args=(conn, peer), name="prfaas-kv-handshake", daemon=True).start()
 
+    def _refuse_at_accept(self, conn: socket.socket, peer: str, why: str) -> None:
+        self.connections_refused += 1
+        if self.connections_refused & (self.connections_refused - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: no log flood
+            logger.warning("refused KV connection from %s: %s (%d refused so far)", peer, why,
+                           self.connections_refused)
+        conn.close()
+
     def _admit(self, conn: socket.socket, peer: str) -> None:
-        """Authenticate a new connection, then hand it to the I/O thread (or read it here, for TLS)."""
+        """Authenticate a new connection within ``handshake_timeout_s``, then hand it to the I/O
+        thread (or read it here, for TLS)."""
+        deadline = threading.Timer(self._settings.handshake_timeout_s, _shut, (conn,))
+        deadline.start()
         try:
             conn.settimeout(self._settings.connect_timeout_s)
             if self._tls is not None:
@@ -129,12 +143,16 @@ class Receiver:
         except HandshakeRefused as exc:
             self.connections_refused += 1
             logger.warning("refused KV connection from %s: %s", peer, exc)
-            conn.close()
+            self._close(conn, peer)
             return
         except (ProtocolError, OSError, ssl.SSLError) as exc:
-            logger.warning("KV connection from %s dropped during the handshake: %s", peer, exc)
-            conn.close()
+            late = "" if deadline.is_alive() else f" (not authenticated within {self._settings.handshake_timeout_s} s)"
+            logger.warning("KV connection from %s dropped during the handshake: %s%s", peer, exc, late)
+            self._close(conn, peer)
             return
+        finally:
+            deadline.cancel()
+            self._slots.authenticated()
         if self._tls is not None:
             self._serve_blocking(conn, peer)
             return
@@ -142,7 +160,11 @@ class Receiver:
         self._joining.append(_Connection(conn, peer))
         self._wakeup.wake()
         if self._closed:  # the I/O thread may have gone already
-            conn.close()
+            self._close(conn, peer)
+
+    def _close(self, conn: socket.socket, peer: str) -> None:
+        conn.close()
+        self._slots.give(peer.rpartition(":")[0])
 
     # The I/O thread (plain connections) -----------------------------------------------------------
 
@@ -256,7 +278,7 @@ class Receiver:
         conns.pop(conn.sock.fileno(), None)
         poller.unregister(conn.sock)
         self._release_partial(conn)
-        conn.sock.close()
+        self._close(conn.sock, conn.peer)
         if isinstance(exc, _Closed):
             self._fail_incomplete(conn.seen, str(exc))
         else:
@@ -297,7 +319,7 @@ class Receiver:
         except (ProtocolError, OSError, ssl.SSLError) as exc:
             self._broken(peer, seen, exc)
         finally:
-            conn.close()
+            self._close(conn, peer)
 
     def _broken(self, peer: str, seen: set[str], exc: Exception) -> None:
         """A connection's stream broke: every incomplete transfer seen on it fails."""
@@ -369,6 +391,47 @@ class Receiver:
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
+
+
+def _shut(conn: socket.socket) -> None:
+    """Wake a handshake blocked on ``conn`` (its reads then fail)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Slots:
+    """Connections being authenticated (all peers) and open (per peer address), within their caps."""
+
+    def __init__(self, max_pending: int, max_per_peer: int) -> None:
+        self._max_pending, self._max_per_peer = max_pending, max_per_peer
+        self._pending = 0
+        self._per_peer: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, host: str) -> str | None:
+        """Admit a new connection from ``host``; the reason when it must be refused."""
+        with self._lock:
+            if self._per_peer.get(host, 0) >= self._max_per_peer:
+                return f"{self._max_per_peer} connections from {host} already open (max_connections_per_peer)"
+            if self._pending >= self._max_pending:
+                return f"{self._max_pending} connections already authenticating (max_pending_handshakes)"
+            self._pending += 1
+            self._per_peer[host] = self._per_peer.get(host, 0) + 1
+            return None
+
+    def authenticated(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def give(self, host: str) -> None:
+        with self._lock:
+            left = self._per_peer.get(host, 0) - 1
+            if left > 0:
+                self._per_peer[host] = left
+            else:
+                self._per_peer.pop(host, None)
 
 
 class _Closed(Exception):

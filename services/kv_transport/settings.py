@@ -39,6 +39,13 @@ class TransportSettings:
                          "in mutual TLS.")
     tls_key: str = _opt("", "PEM private key of `tls_cert`.")
     tls_ca: str = _opt("", "PEM CA bundle that peer certificates must chain to.")
+    tls_server_name: str = _opt("", "Name gRPC clients expect in servers' certificates (`tls_*` also secure gRPC); "
+                                "empty: the host as configured. The KV data plane trusts the CA alone.")
+    handshake_timeout_s: float = _opt(5.0, "Deadline for a new connection to authenticate; slower ones are closed.")
+    max_pending_handshakes: int = _opt(128, "Connections a receiver lets authenticate at once; more are closed "
+                                       "at accept (counted as refused).")
+    max_connections_per_peer: int = _opt(64, "Connections one peer address may hold open to a receiver, "
+                                         "authenticated or not; more are closed at accept (counted as refused).")
     telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
 
     @classmethod
@@ -62,6 +69,9 @@ class TransportSettings:
         if settings.frame_bytes > settings.max_frame_bytes:
             raise ConfigError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
                               f"({settings.max_frame_bytes}), which receivers would refuse")
+        if settings.max_connections_per_peer < settings.connections_per_peer:
+            raise ConfigError(f"transport.max_connections_per_peer: {settings.max_connections_per_peer} is below "
+                              f"connections_per_peer ({settings.connections_per_peer}); peers could not connect")
         if len({bool(settings.tls_cert), bool(settings.tls_key), bool(settings.tls_ca)}) > 1:
             raise ConfigError("transport.tls_cert: tls_cert, tls_key and tls_ca go together")
         return settings

@@ -1,6 +1,7 @@
 """`prfaas up`: run a whole deployment on this machine (the embedded default: deploy/local.yaml)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -32,16 +33,25 @@ def _run(args) -> int:
     from services.engine.args import resolve_model_path
     from services.launcher import supervisor
 
+    from services.security import check_listeners
+    from services.security.exposure import deployment_listeners
+
     try:
         config = load_config(args.config)
+        made = supervisor.generated_credentials(config)
+        os.environ.update(made)  # the services inherit them
+        check_listeners(config, deployment_listeners(config))
     except ConfigError as exc:
         print(f"prfaas: {exc}", file=sys.stderr)
         return 2
     log_dir = args.log_dir or Path(config.logging.dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if made:
+        path = _write_credentials(log_dir, made)
+        print(f"generated credentials for this run: {', '.join(made)} (random; in {path}, mode 0600; set the "
+              "variables to choose your own)", flush=True)
     print(f"preparing model {config.model.name} ({config.model.path}) ...", flush=True)
     resolve_model_path(config.model)
-    _share_kv_secret(config)
     children = supervisor.children_for(config, args.config.resolve(), log_dir)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -63,21 +73,22 @@ def _run(args) -> int:
         print("stopped", flush=True)
 
 
-def _share_kv_secret(config) -> None:
-    """Workers started together authenticate their KV links with a fresh secret unless one is set."""
-    import os
-    import secrets
-
-    from services.kv_transport.settings import TransportSettings
-
-    settings = TransportSettings.of(config.transport)
-    if not settings.secret_bytes:
-        os.environ[settings.secret_env] = secrets.token_hex(32)
+def _write_credentials(log_dir: Path, variables: dict[str, str]) -> Path:
+    """``NAME=value`` lines, readable by this user only, for tools that call the services directly."""
+    path = log_dir / "credentials.env"
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.writelines(f"{name}={value}\n" for name, value in variables.items())
+    return path
 
 
 def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
     from services.launcher import supervisor
 
+    from services.security import GrpcSecurity
+
+    security = GrpcSecurity.of(config)
     pending = supervisor.grpc_endpoints(config)
     deadline = time.monotonic() + timeout_s
     next_note = 0.0
@@ -86,7 +97,7 @@ def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
             print(f"prfaas: {failed[0].name} exited during start-up; last log lines:\n{failed[0].log_tail()}",
                   file=sys.stderr)
             return False
-        pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a)}
+        pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a, security)}
         if not pending and supervisor.router_healthy(config.router.host, config.router.port):
             return True
         if time.monotonic() >= next_note:

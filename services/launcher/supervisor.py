@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig
+from services.security import GrpcSecurity
 
 STOP_TIMEOUT_S = 40.0
 
@@ -25,11 +26,13 @@ class Child:
     log_path: Path
     process: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # added to this process' environment
 
     def start(self) -> None:
         self.log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        env={**os.environ, **self.env} if self.env else None)
 
     @property
     def exited(self) -> bool:
@@ -62,9 +65,24 @@ def grpc_endpoints(config: DeploymentConfig) -> dict[str, tuple[str, int]]:
     return endpoints
 
 
-def worker_serving(host: str, port: int) -> bool:
-    """Whether the gRPC service at host:port (a worker or a cache pool) reports SERVING."""
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+def generated_credentials(config: DeploymentConfig) -> dict[str, str]:
+    """Services started together on this machine share credentials made here, passed in their
+    environment, for what is not configured: the gRPC bearer token and the KV data-plane secret.
+    Returns the environment variables to set (none when both are configured)."""
+    import secrets
+
+    from services.kv_transport.settings import TransportSettings
+
+    transport = TransportSettings.of(config.transport)
+    return {variable: secrets.token_urlsafe(32)
+            for variable, present in ((config.security.token_env, config.security.token_value),
+                                      (transport.secret_env, transport.secret_bytes)) if not present}
+
+
+def worker_serving(host: str, port: int, security: GrpcSecurity = GrpcSecurity()) -> bool:
+    """Whether the gRPC service at host:port (a worker or a cache pool) reports SERVING. The health
+    service needs no token, but TLS servers want the deployment's client certificate."""
+    with security.channel(f"{host}:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.RpcError:

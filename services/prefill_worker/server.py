@@ -11,22 +11,29 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.decode_worker.server import stats_message
 from services.engine import convert
 from services.engine.engine import Engine
-from services.engine.serve import WorkerIdentity
+from services.engine.serve import CallerGuard, WorkerIdentity
 from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: Engine, identity: WorkerIdentity) -> None:
+    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
         self._engine = engine
         self._identity = identity
+        self._guard = guard
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        """Computes the prompt's KV (one output token). Returns when the prefill is done."""
+        """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
+        worker KV port of the deployment (PERMISSION_DENIED otherwise, before anything is dialled).
+        Returns when the prefill is done."""
         bind_request_id(request.request_id)
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if request.kv_target and (why := self._guard.kv_targets.refusal(request.kv_target)) is not None:
+            self._guard.rejections.count("unknown_peer")
+            logger.warning("request %s: refused Prefill from %s: %s", request.request_id, context.peer(), why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         started = time.perf_counter()
         prefill = convert.prefill_input_from_proto(request)
         last = None
@@ -44,9 +51,9 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         )
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return stats_message(self._engine, self._identity)
+        return stats_message(self._engine, self._identity, self._guard)
 
 
-def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server) -> str:
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity), server)
+def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity, guard), server)
     return pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name

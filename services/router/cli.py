@@ -33,6 +33,14 @@ def _run(args) -> int:
     setup_logging("router", args.log_level or config.logging.level, config.logging.json)
     host = args.host or config.router.host
     port = args.port if args.port is not None else config.router.port
+    from services.security import check_listeners
+    from services.security.exposure import router_listeners
+
+    try:
+        check_listeners(config, router_listeners(host))
+    except ConfigError as exc:
+        print(f"prfaas: {exc}", file=sys.stderr)
+        return 2
     try:
         uvloop.run(serve_router(config, host, port))
     except OSError as exc:

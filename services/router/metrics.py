@@ -140,6 +140,9 @@ class RouterMetrics:
                                        ["worker"], registry=r)
         self.kv_rejected = Gauge("prfaas_kv_rejected_total", "KV frames and connections a worker refused.",
                                  ["worker"], registry=r)
+        self.grpc_rejected = Gauge("prfaas_grpc_rejected_total", "gRPC calls a service refused, by reason: "
+                                   "missing_token, wrong_token (UNAUTHENTICATED), unknown_peer (PERMISSION_DENIED).",
+                                   ["service", "reason"], registry=r)
 
     def observe_kv_links(self, worker: str, stats) -> None:
         """Mirror a worker's KV transport telemetry (``WorkerStats``) into gauges."""
@@ -154,3 +157,5 @@ class RouterMetrics:
             self.kv_link_failures.labels(*labels).set(link.transfers_failed)
         self.kv_received_bytes.labels(worker).set(stats.kv_bytes_received)
         self.kv_rejected.labels(worker).set(stats.kv_frames_rejected + stats.kv_connections_refused)
+        for reason, count in stats.grpc_rejected.items():
+            self.grpc_rejected.labels(worker, reason).set(count)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 
 from aiohttp import web
@@ -21,6 +20,7 @@ from services.router.threshold_control import ThresholdControl
 from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
 from services.scheduling.backoff import BackoffConfig
+from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ SHUTDOWN_GRACE_S = 30.0
 
 
 def api_keys(config: DeploymentConfig) -> frozenset[str]:
-    from_env = os.environ.get(config.router.api_keys_env, "")
-    return frozenset(k.strip() for k in (*config.router.api_keys, *from_env.split(",")) if k.strip())
+    return config.router.accepted_api_keys
 
 
 async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
@@ -38,7 +37,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     scheduler = config.scheduler
     pool = WorkerPool(config.workers, config.router, metrics,
                       BackoffConfig(scheduler.worker_backoff_s, scheduler.max_worker_backoff_s),
-                      flippable=scheduler.role_flips.enabled, kv_high_watermark=scheduler.kv_high_watermark)
+                      flippable=scheduler.role_flips.enabled, kv_high_watermark=scheduler.kv_high_watermark,
+                      security=GrpcSecurity.of(config))
     queues = PrefillQueues(scheduler.prefill_tokens_per_s, metrics)
     index = GlobalCacheIndex.from_config(config, scheduler.cache_lookup_timeout_ms / 1000) \
         if config.cache_pools else None

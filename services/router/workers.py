@@ -17,6 +17,7 @@ from services.config import RouterConfig, WorkerConfig
 from services.router.metrics import RouterMetrics
 from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.scheduling.backoff import Backoff, BackoffConfig
+from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,14 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics,
                  backoff: BackoffConfig = BackoffConfig(), flippable: bool = False,
-                 kv_high_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic) -> None:
+                 kv_high_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic,
+                 security: GrpcSecurity = GrpcSecurity()) -> None:
         """``flippable``: role flips are on, so single-role local PD workers get both stubs."""
         self._config = config
         self._metrics = metrics
         self._clock = clock
         self.kv_high_watermark = kv_high_watermark
-        self._handles = {w.name: _connect(w, backoff, flippable) for w in workers}
+        self._handles = {w.name: _connect(w, backoff, flippable, security) for w in workers}
         self._poller: asyncio.Task | None = None
         self.on_poll: list[Callable[[], None]] = []
 
@@ -161,8 +163,8 @@ class WorkerPool:
         self._metrics.observe_kv_links(handle.name, handle.stats)
 
 
-def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool) -> WorkerHandle:
-    channel = grpc.aio.insecure_channel(f"{worker.host}:{worker.port}")
+def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, security: GrpcSecurity) -> WorkerHandle:
+    channel = security.aio_channel(f"{worker.host}:{worker.port}")
     decode = pb_grpc.DecodeWorkerStub(channel) if worker.service == "decode_worker" else None
     prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both") or (
         flippable and decode is not None and worker.kv_port is not None)

@@ -17,7 +17,6 @@ import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import openai
 import pytest
 from prfaas.v1 import cache_pool_pb2, cache_pool_pb2_grpc
@@ -64,7 +63,7 @@ def _start_deployment_and_reference(tmp_path_factory, model_name, engine, block_
 
 def _prefill_on_pd_a(deployment, prompt: list[int]) -> None:
     port = next(w["port"] for w in deployment.config["workers"] if w["name"] == "pd-a")
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with deployment.security.channel(f"127.0.0.1:{port}") as channel:
         pb_grpc.PrefillWorkerStub(channel).Prefill(
             pb.PrefillRequest(request_id=f"a-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt), timeout=300)
 
@@ -83,7 +82,7 @@ def _complete(deployment, model_name: str, prompt: list[int]) -> str:
 
 def _pool_stats(deployment) -> cache_pool_pb2.CachePoolStats:
     port = deployment.config["cache_pools"][0]["port"]
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with deployment.security.channel(f"127.0.0.1:{port}") as channel:
         return cache_pool_pb2_grpc.CachePoolStub(channel).GetStats(cache_pool_pb2.CachePoolStatsRequest(), timeout=5)
 
 

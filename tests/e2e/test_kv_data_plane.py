@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 
-import grpc
 import openai
 import pytest
 from prfaas.v1 import worker_pb2 as pb
@@ -137,7 +136,7 @@ def test_transport_telemetry_reaches_the_router_metrics(cluster):
 def _decode_generate(deployment, transfer_id: str, prompt: list[int]):
     """A consume request straight to pd-d's gRPC API, as the router would send it."""
     worker = next(w for w in deployment.config["workers"] if w["name"] == "pd-d")
-    channel = grpc.insecure_channel(f"127.0.0.1:{worker['port']}")
+    channel = deployment.security.channel(f"127.0.0.1:{worker['port']}")
     request = pb.GenerateRequest(request_id=transfer_id, prompt_token_ids=prompt,
                                  sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, top_p=1,
                                                             ignore_eos=True),

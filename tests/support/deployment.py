@@ -1,6 +1,7 @@
 """Real deployments for end-to-end tests: every service a separate process on loopback."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -11,12 +12,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import yaml
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.launcher import supervisor
+from services.security import GrpcSecurity
 from support.ports import free_port
 
 START_TIMEOUT_S = 300.0
@@ -33,7 +34,7 @@ def deployment_config(workers: list[dict], model_path: str = "builtin:smollm2-13
         "logging": {"level": "info"},
     }
     for name, section in sections.items():
-        config[name] = {**config.get(name, {}), **section}
+        config[name] = section if isinstance(section, list) else {**config.get(name, {}), **section}
     return config
 
 
@@ -45,6 +46,7 @@ class Deployment:
     config: dict
     directory: Path
     children: list = field(default_factory=list)
+    security: GrpcSecurity = field(default_factory=GrpcSecurity)
     prefixes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -60,9 +62,14 @@ class Deployment:
         from services.config import load_config
 
         parsed = load_config(self.config_path)
+        credentials = supervisor.generated_credentials(parsed)  # closed, as `prfaas up` is
+        self.security = GrpcSecurity.of(parsed)
+        if token := credentials.get(parsed.security.token_env):
+            self.security = dataclasses.replace(self.security, token=token, accepted_tokens=(token,))
         self.children = supervisor.children_for(parsed, self.config_path, self.directory)
         for child in self.children:
             child.argv = self.prefixes.get(child.name, []) + child.argv
+            child.env = credentials
             child.start()
         self._wait_healthy(parsed)
         return self
@@ -80,7 +87,7 @@ class Deployment:
 
     def worker_stats(self, name: str) -> pb.WorkerStats:
         worker = next(w for w in self.config["workers"] if w["name"] == name)
-        with grpc.insecure_channel(f"{worker.get('host', '127.0.0.1')}:{worker['port']}") as channel:
+        with self.security.channel(f"{worker.get('host', '127.0.0.1')}:{worker['port']}") as channel:
             stub_class = pb_grpc.DecodeWorkerStub if worker.get("service", "decode_worker") == "decode_worker" \
                 else pb_grpc.PrefillWorkerStub
             return stub_class(channel).GetStats(pb.StatsRequest(), timeout=5)
@@ -107,7 +114,7 @@ class Deployment:
             if any(c.exited for c in self.children):
                 self.stop()
                 raise RuntimeError(f"a service exited during start-up:\n{self.logs()}")
-            pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a)}
+            pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a, self.security)}
             if not pending and supervisor.router_healthy("127.0.0.1", self.config["router"]["port"]):
                 return
             time.sleep(1.0)

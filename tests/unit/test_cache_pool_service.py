@@ -19,7 +19,8 @@ from support.ports import free_port
 from services.cache_pool.client import CachePoolClient
 from services.cache_pool.index import GlobalCacheIndex
 from services.cache_pool.pool import CachePool
-from services.cache_pool.server import GRPC_OPTIONS, PoolIdentity, start_pool_server
+from services.cache_pool.server import PoolIdentity, start_pool_server
+from services.security import GrpcSecurity
 from services.cache_pool.shm import ShmStore, same_host_directory
 from services.cache_pool.types import Block
 from services.kv_transport import TransportSettings
@@ -50,7 +51,7 @@ def pool_process(tmp_path):
     path.write_text(yaml.safe_dump(config))
     process = subprocess.Popen([sys.executable, "-m", "services.cli", "cache-pool", "--config", str(path),
                                 "--name", "pool-local"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    channel = GrpcSecurity().channel(f"127.0.0.1:{port}")
     try:
         _wait_serving(channel, process)
         yield process, pb_grpc.CachePoolStub(channel), metrics_port, f"127.0.0.1:{port}"

@@ -3,6 +3,7 @@ target lacks crosses, linear states only at the prefix's end, and failures stay 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.cache_pool.transfer import CrossClusterCopier
 from services.kv_transport import TransportSettings
 from services.scheduling.offload import CacheTransfer
+from services.security import KnownPeers
 
 
 KV_SETTINGS = TransportSettings(secret="pool-secret", recv_idle_timeout_s=5.0)
@@ -27,8 +29,12 @@ def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
     pools have a KV transport, so bytes go pool to pool."""
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
     options = {"kv_port": 0, "transport": KV_SETTINGS} if kv else {}
-    servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0, **options)
-               for c, p in pools.items()}
+    servers = {"local": start_pool_server(pools["local"], PoolIdentity("pool-local", "local"), "127.0.0.1", 0,
+                                          **options)}
+    if kv:  # the source pool knows the target as a peer, as cache_pools[] in a config would tell it
+        options["peers"] = _peers(servers["local"])
+    servers["prfaas"] = start_pool_server(pools["prfaas"], PoolIdentity("pool-prfaas", "prfaas"), "127.0.0.1", 0,
+                                          **options)
     pools["prfaas"].put(MODEL, source_blocks)
     pools["local"].put(MODEL, target_blocks)
     addresses = addresses or {c: f"127.0.0.1:{s.port}" for c, s in servers.items()}
@@ -93,14 +99,52 @@ def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only(
     assert (copied, failed) == ([], [("prfaas", "local")])
 
 
+def _peers(*servers) -> KnownPeers:
+    return KnownPeers(frozenset(f"127.0.0.1:{s.servicer.kv_port}" for s in servers), "test pools")
+
+
+def test_a_pool_pushes_only_to_configured_peer_pools():
+    """A Push naming any other address is PERMISSION_DENIED before a connection is opened, and counted."""
+    settings = TransportSettings(secret="pool-secret", recv_idle_timeout_s=1.0)
+    source_pool = CachePool(1 << 20)
+    source_pool.put(MODEL, blocks(FULL.group_id, PROMPT[:3]))
+    target = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-b", "local"), "127.0.0.1", 0, kv_port=0,
+                               transport=settings)
+    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
+                               transport=settings, peers=_peers(target))
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(1.0)
+    bait = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    async def main():
+        client = CachePoolClient(f"127.0.0.1:{source.port}")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await client.push(MODEL, [(FULL.group_id, h) for h in PROMPT[:3]], bait, "t-ssrf")
+            return error.value
+        finally:
+            await client.close()
+
+    try:
+        error = asyncio.run(main())
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and bait in error.details()
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody dialled the bait
+        assert source.servicer.rejections.snapshot() == {"unknown_peer": 1}
+    finally:
+        listener.close()
+        for server in (source, target):
+            server.stop(0)
+
+
 def test_pool_to_pool_calls_refuse_bad_requests_and_mismatched_transfers():
     settings = TransportSettings(secret="pool-secret", recv_idle_timeout_s=1.0)
     source_pool, target_pool = CachePool(1 << 20), CachePool(1 << 20)
     source_pool.put(MODEL, blocks(FULL.group_id, PROMPT[:3]))
-    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
-                               transport=settings)
     target = start_pool_server(target_pool, PoolIdentity("pool-b", "local"), "127.0.0.1", 0, kv_port=0,
                                transport=settings)
+    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
+                               transport=settings, peers=_peers(target))
     plain = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-c", "local"), "127.0.0.1", 0)
     refs = [(FULL.group_id, h) for h in PROMPT[:3]]
 

@@ -196,8 +196,9 @@ def test_cache_pool_ports_match_containers_services_probes_and_scraping(deployme
         service = rendered.one("Service", sts["spec"]["serviceName"])
         ports = container_ports(sts)
         assert ports["grpc"] == pool.port == service_ports(rendered, service["metadata"]["name"])["grpc"]
+        assert pool.health_port is not None and ports["health"] == pool.health_port
         for probe in ("readinessProbe", "livenessProbe"):
-            assert container(sts)[probe]["grpc"]["port"] == pool.port
+            assert container(sts)[probe]["grpc"]["port"] == pool.health_port
         assert pool.metrics_port is not None, "the pool's metrics are scraped"
         assert ports["metrics"] == pool.metrics_port == service_ports(rendered, service["metadata"]["name"])["metrics"]
         annotations = sts["spec"]["template"]["metadata"]["annotations"]
@@ -254,8 +255,10 @@ def test_worker_ports_match_containers_services_and_probes(deployment):
         assert ports.get("kv") == worker.kv_port
         if worker.kv_port is not None:
             assert service_ports(rendered, sts["spec"]["serviceName"])["kv"] == worker.kv_port
+        # The kubelet's gRPC probes cannot do TLS: they go to the plaintext health-only port.
+        assert worker.health_port is not None and container_ports(sts)["health"] == worker.health_port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container(sts)[probe]["grpc"]["port"] == worker.port
+            assert container(sts)[probe]["grpc"]["port"] == worker.health_port
 
 
 @pytest.mark.parametrize("deployment", deployments())
@@ -277,6 +280,16 @@ def test_router_port_api_keys_and_probes(deployment):
     assert container(router)["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     (hpa,) = rendered.of_kind("HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "router"
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_every_service_gets_the_grpc_token_from_the_secret(deployment):
+    config = config_of(render(deployment, "local-cluster"))
+    workloads = [sts for _, sts in pods(deployment, pools=True).values()]
+    workloads.append(render(deployment, "local-cluster").one("Deployment", "router"))
+    for workload in workloads:
+        secret_ref = env_of(workload)[config.security.token_env]["valueFrom"]["secretKeyRef"]
+        assert secret_ref == {"name": "prfaas-secrets", "key": "grpc-token"}, workload["metadata"]["name"]
 
 
 @pytest.mark.parametrize("deployment", deployments())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -426,3 +427,58 @@ def test_a_closed_wake_pipe_never_writes_to_a_reused_descriptor():
     finally:
         os.close(reused_r)
         os.close(reused_w)
+
+
+def _idle_connection(port: int, source: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_that_never_authenticate_are_bounded_and_a_good_sender_goes_on(pair):
+    """One address opening many idle connections gets ``max_connections_per_peer`` admitted, the rest
+    closed at accept; the admitted ones are closed at the handshake deadline; meanwhile a sender
+    from another address completes its transfer."""
+    rx_settings = TransportSettings(secret=SECRET, handshake_timeout_s=1.0, max_connections_per_peer=10)
+    rx, tx, peer = pair(rx_settings, TransportSettings(secret=SECRET, connections_per_peer=2))
+    idle = [_idle_connection(rx.port, "127.0.0.2") for _ in range(40)]
+    try:
+        assert wait_for(lambda: rx.snapshot()["connections_refused"] >= 30, 5.0)
+        payload = os.urandom(1 << 20)
+        tx.send(peer, "t-good", 0, 0, 0, 1, payload)
+        tx.finish(peer, "t-good")
+        frames, end = collect(rx, "t-good")
+        assert isinstance(end, TransferDone) and bytes(frames[0].payload) == payload
+        started = time.monotonic()
+        assert all(_closed_by_peer(sock, 5.0) for sock in idle)  # refused at once, or at the deadline
+        assert time.monotonic() - started < 4.0
+        assert rx.snapshot()["connections_refused"] == 30
+        time.sleep(0.5)  # the handshake threads give their slots back just after closing
+        again = [_idle_connection(rx.port, "127.0.0.2") for _ in range(10)]  # slots were given back
+        readable, _, _ = select.select(again, [], [], 0.3)  # the receiver sends nothing first: readable = closed
+        assert readable == []
+        for sock in again:
+            sock.close()
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprfaas/v1/cache_pool.proto\x12\tprfaas.v1\"q\n\x0bPushRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\"5\n\x0cPushResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"r\n\x10\x44\x65scribeResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12.\n\rshared_memory\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.SharedMemory\x12\x0f\n\x07kv_port\x18\x04 \x01(\r\"J\n\x0cSharedMemory\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_file\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\"%\n\x07ShmFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"D\n\x0cKvCacheGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.prfaas.v1.GroupKind\"q\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.prfaas.v1.KvCacheGroup\"\x88\x01\n\x0eLookupResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x19\n\x11num_usable_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_usable_tokens\x18\x04 \x01(\r\x12!\n\x19num_full_attention_blocks\x18\x05 \x01(\r\"a\n\nCacheBlock\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1f\n\x03shm\x18\x04 \x01(\x0b\x32\x12.prfaas.v1.ShmFile\"o\n\nPutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\"B\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x18\n\x10num_bytes_stored\x18\x02 \x01(\x04\"5\n\rCacheBlockRef\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"q\n\nGetRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\"4\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\"\x17\n\x15\x43\x61\x63hePoolStatsRequest\"\xe2\x03\n\x0e\x43\x61\x63hePoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x15\n\rmemory_blocks\x18\x05 \x01(\r\x12\x18\n\x10ssd_budget_bytes\x18\x06 \x01(\x04\x12\x11\n\tssd_bytes\x18\x07 \x01(\x04\x12\x12\n\nssd_blocks\x18\x08 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x15\n\rnum_transfers\x18\n \x01(\r\x12\x1b\n\x13\x66ull_attention_hits\x18\x0b \x01(\x04\x12\x1d\n\x15\x66ull_attention_misses\x18\x0c \x01(\x04\x12\x1d\n\x15linear_attention_hits\x18\r \x01(\x04\x12\x1f\n\x17linear_attention_misses\x18\x0e \x01(\x04\x12\x18\n\x10memory_evictions\x18\x0f \x01(\x04\x12\x15\n\rssd_evictions\x18\x10 \x01(\x04\x12\x17\n\x0fssd_read_errors\x18\x11 \x01(\x04\x12\x13\n\x0bnum_lookups\x18\x12 \x01(\x04\x12\x1c\n\x14lookup_seconds_total\x18\x13 \x01(\x01*g\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1f\n\x1bGROUP_KIND_LINEAR_ATTENTION\x10\x02\x32\xfd\x02\n\tCachePool\x12=\n\x06Lookup\x12\x18.prfaas.v1.LookupRequest\x1a\x19.prfaas.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.prfaas.v1.PutRequest\x1a\x16.prfaas.v1.PutResponse\x12\x34\n\x03Get\x12\x15.prfaas.v1.GetRequest\x1a\x16.prfaas.v1.GetResponse\x12G\n\x08GetStats\x12 .prfaas.v1.CachePoolStatsRequest\x1a\x19.prfaas.v1.CachePoolStats\x12\x43\n\x08\x44\x65scribe\x12\x1a.prfaas.v1.DescribeRequest\x1a\x1b.prfaas.v1.DescribeResponse\x12\x37\n\x04Push\x12\x16.prfaas.v1.PushRequest\x1a\x17.prfaas.v1.PushResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprfaas/v1/cache_pool.proto\x12\tprfaas.v1\"\x89\x01\n\x0bPushRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63\x61ller_kv_port\x18\x05 \x01(\r\"5\n\x0cPushResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"r\n\x10\x44\x65scribeResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12.\n\rshared_memory\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.SharedMemory\x12\x0f\n\x07kv_port\x18\x04 \x01(\r\"J\n\x0cSharedMemory\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_file\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\"%\n\x07ShmFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"D\n\x0cKvCacheGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.prfaas.v1.GroupKind\"q\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.prfaas.v1.KvCacheGroup\"\x88\x01\n\x0eLookupResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x19\n\x11num_usable_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_usable_tokens\x18\x04 \x01(\r\x12!\n\x19num_full_attention_blocks\x18\x05 \x01(\r\"a\n\nCacheBlock\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1f\n\x03shm\x18\x04 \x01(\x0b\x32\x12.prfaas.v1.ShmFile\"o\n\nPutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\"B\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x18\n\x10num_bytes_stored\x18\x02 \x01(\x04\"5\n\rCacheBlockRef\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"q\n\nGetRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\"4\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\"\x17\n\x15\x43\x61\x63hePoolStatsRequest\"\xe2\x03\n\x0e\x43\x61\x63hePoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x15\n\rmemory_blocks\x18\x05 \x01(\r\x12\x18\n\x10ssd_budget_bytes\x18\x06 \x01(\x04\x12\x11\n\tssd_bytes\x18\x07 \x01(\x04\x12\x12\n\nssd_blocks\x18\x08 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x15\n\rnum_transfers\x18\n \x01(\r\x12\x1b\n\x13\x66ull_attention_hits\x18\x0b \x01(\x04\x12\x1d\n\x15\x66ull_attention_misses\x18\x0c \x01(\x04\x12\x1d\n\x15linear_attention_hits\x18\r \x01(\x04\x12\x1f\n\x17linear_attention_misses\x18\x0e \x01(\x04\x12\x18\n\x10memory_evictions\x18\x0f \x01(\x04\x12\x15\n\rssd_evictions\x18\x10 \x01(\x04\x12\x17\n\x0fssd_read_errors\x18\x11 \x01(\x04\x12\x13\n\x0bnum_lookups\x18\x12 \x01(\x04\x12\x1c\n\x14lookup_seconds_total\x18\x13 \x01(\x01*g\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1f\n\x1bGROUP_KIND_LINEAR_ATTENTION\x10\x02\x32\xfd\x02\n\tCachePool\x12=\n\x06Lookup\x12\x18.prfaas.v1.LookupRequest\x1a\x19.prfaas.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.prfaas.v1.PutRequest\x1a\x16.prfaas.v1.PutResponse\x12\x34\n\x03Get\x12\x15.prfaas.v1.GetRequest\x1a\x16.prfaas.v1.GetResponse\x12G\n\x08GetStats\x12 .prfaas.v1.CachePoolStatsRequest\x1a\x19.prfaas.v1.CachePoolStats\x12\x43\n\x08\x44\x65scribe\x12\x1a.prfaas.v1.DescribeRequest\x1a\x1b.prfaas.v1.DescribeResponse\x12\x37\n\x04Push\x12\x16.prfaas.v1.PushRequest\x1a\x17.prfaas.v1.PushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prfaas.v1.cache_pool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GROUPKIND']._serialized_start=1799
-  _globals['_GROUPKIND']._serialized_end=1902
-  _globals['_PUSHREQUEST']._serialized_start=41
-  _globals['_PUSHREQUEST']._serialized_end=154
-  _globals['_PUSHRESPONSE']._serialized_start=156
-  _globals['_PUSHRESPONSE']._serialized_end=209
-  _globals['_DESCRIBEREQUEST']._serialized_start=211
-  _globals['_DESCRIBEREQUEST']._serialized_end=228
-  _globals['_DESCRIBERESPONSE']._serialized_start=230
-  _globals['_DESCRIBERESPONSE']._serialized_end=344
-  _globals['_SHAREDMEMORY']._serialized_start=346
-  _globals['_SHAREDMEMORY']._serialized_end=420
-  _globals['_SHMFILE']._serialized_start=422
-  _globals['_SHMFILE']._serialized_end=459
-  _globals['_KVCACHEGROUP']._serialized_start=461
-  _globals['_KVCACHEGROUP']._serialized_end=529
-  _globals['_LOOKUPREQUEST']._serialized_start=531
-  _globals['_LOOKUPREQUEST']._serialized_end=644
-  _globals['_LOOKUPRESPONSE']._serialized_start=647
-  _globals['_LOOKUPRESPONSE']._serialized_end=783
-  _globals['_CACHEBLOCK']._serialized_start=785
-  _globals['_CACHEBLOCK']._serialized_end=882
-  _globals['_PUTREQUEST']._serialized_start=884
-  _globals['_PUTREQUEST']._serialized_end=995
-  _globals['_PUTRESPONSE']._serialized_start=997
-  _globals['_PUTRESPONSE']._serialized_end=1063
-  _globals['_CACHEBLOCKREF']._serialized_start=1065
-  _globals['_CACHEBLOCKREF']._serialized_end=1118
-  _globals['_GETREQUEST']._serialized_start=1120
-  _globals['_GETREQUEST']._serialized_end=1233
-  _globals['_GETRESPONSE']._serialized_start=1235
-  _globals['_GETRESPONSE']._serialized_end=1287
-  _globals['_CACHEPOOLSTATSREQUEST']._serialized_start=1289
-  _globals['_CACHEPOOLSTATSREQUEST']._serialized_end=1312
-  _globals['_CACHEPOOLSTATS']._serialized_start=1315
-  _globals['_CACHEPOOLSTATS']._serialized_end=1797
-  _globals['_CACHEPOOL']._serialized_start=1905
-  _globals['_CACHEPOOL']._serialized_end=2286
+  _globals['_GROUPKIND']._serialized_start=1824
+  _globals['_GROUPKIND']._serialized_end=1927
+  _globals['_PUSHREQUEST']._serialized_start=42
+  _globals['_PUSHREQUEST']._serialized_end=179
+  _globals['_PUSHRESPONSE']._serialized_start=181
+  _globals['_PUSHRESPONSE']._serialized_end=234
+  _globals['_DESCRIBEREQUEST']._serialized_start=236
+  _globals['_DESCRIBEREQUEST']._serialized_end=253
+  _globals['_DESCRIBERESPONSE']._serialized_start=255
+  _globals['_DESCRIBERESPONSE']._serialized_end=369
+  _globals['_SHAREDMEMORY']._serialized_start=371
+  _globals['_SHAREDMEMORY']._serialized_end=445
+  _globals['_SHMFILE']._serialized_start=447
+  _globals['_SHMFILE']._serialized_end=484
+  _globals['_KVCACHEGROUP']._serialized_start=486
+  _globals['_KVCACHEGROUP']._serialized_end=554
+  _globals['_LOOKUPREQUEST']._serialized_start=556
+  _globals['_LOOKUPREQUEST']._serialized_end=669
+  _globals['_LOOKUPRESPONSE']._serialized_start=672
+  _globals['_LOOKUPRESPONSE']._serialized_end=808
+  _globals['_CACHEBLOCK']._serialized_start=810
+  _globals['_CACHEBLOCK']._serialized_end=907
+  _globals['_PUTREQUEST']._serialized_start=909
+  _globals['_PUTREQUEST']._serialized_end=1020
+  _globals['_PUTRESPONSE']._serialized_start=1022
+  _globals['_PUTRESPONSE']._serialized_end=1088
+  _globals['_CACHEBLOCKREF']._serialized_start=1090
+  _globals['_CACHEBLOCKREF']._serialized_end=1143
+  _globals['_GETREQUEST']._serialized_start=1145
+  _globals['_GETREQUEST']._serialized_end=1258
+  _globals['_GETRESPONSE']._serialized_start=1260
+  _globals['_GETRESPONSE']._serialized_end=1312
+  _globals['_CACHEPOOLSTATSREQUEST']._serialized_start=1314
+  _globals['_CACHEPOOLSTATSREQUEST']._serialized_end=1337
+  _globals['_CACHEPOOLSTATS']._serialized_start=1340
+  _globals['_CACHEPOOLSTATS']._serialized_end=1822
+  _globals['_CACHEPOOL']._serialized_start=1930
+  _globals['_CACHEPOOL']._serialized_end=2311
 # @@protoc_insertion_point(module_scope)

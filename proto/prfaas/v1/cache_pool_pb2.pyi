@@ -17,16 +17,18 @@ GROUP_KIND_FULL_ATTENTION: GroupKind
 GROUP_KIND_LINEAR_ATTENTION: GroupKind
 
 class PushRequest(_message.Message):
-    __slots__ = ("model", "blocks", "kv_target", "kv_transfer_id")
+    __slots__ = ("model", "blocks", "kv_target", "kv_transfer_id", "caller_kv_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_KV_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     blocks: _containers.RepeatedCompositeFieldContainer[CacheBlockRef]
     kv_target: str
     kv_transfer_id: str
-    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., kv_target: _Optional[str] = ..., kv_transfer_id: _Optional[str] = ...) -> None: ...
+    caller_kv_port: int
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., kv_target: _Optional[str] = ..., kv_transfer_id: _Optional[str] = ..., caller_kv_port: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("num_blocks", "num_bytes")

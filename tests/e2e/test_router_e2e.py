@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from services.models import smollm2
+from services.security import GrpcSecurity
 from support.deployment import deployment_config, run_python, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -160,7 +161,10 @@ def test_eight_concurrent_streams_complete(deployment):
 def test_client_disconnect_aborts_the_request_on_the_worker(deployment):
     from support.deployment import Deployment
 
-    stats = Deployment(deployment["config"], deployment["dir"]).worker_stats
+    direct = Deployment(deployment["config"], deployment["dir"])
+    credentials = dict(line.split("=", 1) for line in (deployment["dir"] / "credentials.env").read_text().split())
+    direct.security = GrpcSecurity(token=credentials["PRFAAS_GRPC_TOKEN"])  # the token `prfaas up` generated
+    stats = direct.worker_stats
     body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:

@@ -78,6 +78,13 @@ class RouterConfig:
     request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
     stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
+    max_body_bytes: int | None = _opt(
+        None, "Largest HTTP request body; larger ones are answered 413 before they are read or parsed. Null: "
+        "32 bytes per token of `model.max_model_len` plus 1 MiB (room for the longest prompt as JSON text or "
+        "token ids, and the message structure around it).")
+
+    def body_limit(self, max_model_len: int) -> int:
+        return self.max_body_bytes if self.max_body_bytes is not None else 32 * max_model_len + (1 << 20)
 
     @property
     def accepted_api_keys(self) -> frozenset[str]:
@@ -295,6 +302,8 @@ class DeploymentConfig:
 
         TransportSettings.of(self.transport)
         check_cache_pools(self)
+        if self.router.max_body_bytes is not None and self.router.max_body_bytes <= 0:
+            raise ConfigError(f"router.max_body_bytes: must be positive, got {self.router.max_body_bytes!r}")
         for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
             if getattr(self.security, key) <= 0:
                 raise ConfigError(f"security.{key}: must be positive, got {getattr(self.security, key)!r}")

@@ -146,6 +146,7 @@ class Receiver:
             self._close(conn, peer)
             return
         except (ProtocolError, OSError, ssl.SSLError) as exc:
+            self.connections_refused += 1
             late = "" if deadline.is_alive() else f" (not authenticated within {self._settings.handshake_timeout_s} s)"
             logger.warning("KV connection from %s dropped during the handshake: %s%s", peer, exc, late)
             self._close(conn, peer)

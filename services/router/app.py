@@ -24,15 +24,17 @@ from services.scheduling.admission import QosClass
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = ("/health", "/metrics")
+PUBLIC_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
 class RouterApp:
     def __init__(self, *, model_name: str, max_model_len: int, api_keys: frozenset[str],
                  tokenizer: PromptTokenizer, pool: WorkerPool, dispatcher: Dispatcher,
-                 metrics: RouterMetrics, admission: AdmissionControl | None = None) -> None:
+                 metrics: RouterMetrics, admission: AdmissionControl | None = None,
+                 max_body_bytes: int = 64 << 20) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_body_bytes = max_body_bytes
         self.api_keys = api_keys
         self.tokenizer = tokenizer
         self.pool = pool
@@ -42,12 +44,13 @@ class RouterApp:
         self.created = int(time.time())
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=self.max_body_bytes)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     @web.middleware
@@ -59,9 +62,13 @@ class RouterApp:
 
     async def _handle(self, request: web.Request, handler):
         try:
+            if (request.content_length or 0) > self.max_body_bytes:
+                raise self._too_large()  # before authenticating, reading or parsing anything
             if self.api_keys and request.path not in PUBLIC_PATHS:
                 self._authenticate(request)
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit while read
+            return _error_response(self._too_large())
         except ApiError as exc:
             return _error_response(exc)
         except web.HTTPException as exc:
@@ -71,6 +78,15 @@ class RouterApp:
         except Exception:
             logger.exception("unhandled error on %s %s", request.method, request.path)
             return _error_response(ApiError(500, "Internal server error", type="server_error"))
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"The request body is larger than this server accepts ({self.max_body_bytes} bytes, "
+                        "router.max_body_bytes).", code="request_too_large")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from services.router.openapi import document
+
+        return web.json_response(document(self.model_name, self.max_body_bytes))
 
     def _authenticate(self, request: web.Request) -> None:
         if _bearer_token(request) not in self.api_keys:

@@ -53,6 +53,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     router = RouterApp(
         model_name=config.model.name,
         max_model_len=config.model.max_model_len,
+        max_body_bytes=config.router.body_limit(config.model.max_model_len),
         api_keys=api_keys(config),
         tokenizer=tokenizer,
         pool=pool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from services.router.errors import bad_request
 from services.router.openai_api import ApiRequest
 
 
@@ -12,10 +13,13 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = len(self._tokenizer)
 
     async def encode(self, request: ApiRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template applied for chat requests)."""
+        """Token ids of the request's prompt (chat template applied for chat requests); token ids
+        given by the client must be in the vocabulary (400 otherwise)."""
         if isinstance(request.prompt, list):
+            check_token_ids(request.prompt, self.vocab_size)
             return list(request.prompt)
         return await asyncio.to_thread(self._encode_sync, request)
 
@@ -26,3 +30,10 @@ class PromptTokenizer:
             )
             return self._tokenizer.encode(text, add_special_tokens=False)
         return self._tokenizer.encode(request.prompt)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"'prompt' holds token id {bad}, outside the model's vocabulary (0 to {vocab_size - 1})",
+                          param="prompt", code="invalid_token_id")

@@ -5,12 +5,14 @@ and counted; no caller can make a worker or a pool dial an address of its choosi
 connections to a KV port costs bounded memory while a real request goes through."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import resource
 import socket
 import threading
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -18,6 +20,9 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prfaas.v1 import cache_pool_pb2, cache_pool_pb2_grpc
 from prfaas.v1 import worker_pb2 as pb
@@ -229,3 +234,106 @@ def test_idle_connections_to_a_kv_port_cost_bounded_memory_and_a_request_goes_th
     assert cluster.worker_stats("decode-0").kv_bytes_received > received_before  # streamed, not recomputed
     assert cluster.worker_stats("decode-0").kv_connections_refused >= IDLE_CONNECTIONS - 64
     assert rss_during - rss_before < 64 << 10, (rss_before, rss_during)  # KiB: under 64 MiB for 1,000 sockets
+
+
+# The HTTP API: bounded bodies, validated token ids, no 5xx for any input -------------------------
+
+def _router_pgid(cluster) -> int:
+    return cluster.child("router").process.pid
+
+
+def _post_raw(cluster, path: str, body: bytes, chunked: bool = False) -> tuple[int, bytes]:
+    """POST ``body`` on a raw socket (stopping early if the router answers first); (status, reply)."""
+    port = cluster.config["router"]["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        try:
+            for start in range(0, len(body), 1 << 20):
+                piece = body[start:start + (1 << 20)]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the router answered and closed before the whole body went out
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    status = int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
+    return status, reply
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_50_mib_body_is_413_with_bounded_memory_while_a_normal_request_completes(cluster, chunked):
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * (50 << 20) + b'"}'
+    rss_before = _group_rss_kib(_router_pgid(cluster))
+    results = {}
+    flood = threading.Thread(target=lambda: results.update(big=_post_raw(cluster, "/v1/completions", body, chunked)))
+    flood.start()
+    reply = _complete(cluster, _prompt(40, 5))  # at the same time
+    flood.join(120)
+    status, raw = results["big"]
+    assert status == 413, raw[:300]
+    assert b'"code": "request_too_large"' in raw and b"router.max_body_bytes" in raw
+    assert reply.usage.completion_tokens == 8
+    assert _group_rss_kib(_router_pgid(cluster)) - rss_before < 32 << 10  # KiB: the body was never held
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt=[1, 2, 10**9], max_tokens=4)
+    assert "outside the model's vocabulary" in error.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[-1, 5], max_tokens=4)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from([MODEL, "other"]) | JSON, "prompt": JSON | st.lists(st.integers(-5, 10**6), max_size=8),
+    "messages": JSON | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "tool", "x"]) | JSON,
+                                                       "content": JSON}), max_size=3),
+    "max_tokens": JSON | st.integers(-3, 5), "temperature": JSON, "top_p": JSON, "stop": JSON, "stream": JSON,
+    "n": JSON, "logprobs": JSON, "seed": JSON, "stream_options": JSON})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=FIELDS | JSON,
+       raw=st.none() | st.binary(max_size=64))
+def test_random_bodies_get_a_4xx_in_openai_shape_or_an_answer_never_a_5xx(cluster, path, body, raw):
+    payload = raw if raw is not None else json.dumps(body).encode()
+    if isinstance(body, dict) and raw is None and isinstance(body.get("max_tokens"), int):
+        payload = json.dumps({**body, "max_tokens": min(body["max_tokens"], 4)}).encode()
+    request = urllib.request.Request(cluster.base_url + path, data=payload,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200
+            return
+    except urllib.error.HTTPError as error:
+        status, answer = error.code, error.read()
+    assert 400 <= status < 500, (status, answer[:300])
+    assert set(json.loads(answer)["error"]) >= {"message", "type"}
+
+
+def test_schemathesis_finds_no_server_error_or_hang(cluster):
+    schema = schemathesis.openapi.from_url(cluster.base_url + "/openapi.json")
+    failures = []
+    for operation in schema.get_all_operations():
+        strategy = operation.ok().as_strategy()
+
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(case=strategy)
+        def check(case):
+            response = case.call(base_url=cluster.base_url, timeout=120)
+            if response.status_code >= 500:
+                failures.append((case.method, case.path, case.body, response.status_code, response.text[:200]))
+
+        check()
+    assert not failures, failures

@@ -20,6 +20,8 @@ import time
 import _common  # noqa: F401  (puts the project on sys.path)
 from _common import start_receiver, verdict, wait_transfer, wan_link
 
+from services.engine.args import resolve_dtype
+
 SECRET = "bench-secret"
 PORT = 47112
 BUDGET = 512
@@ -36,7 +38,7 @@ def run_mode(layerwise: bool, prompt: list[int], receiver, model: str, peer: str
     from services.kv_connector.settings import ConnectorSettings
 
     settings = ConnectorSettings(layerwise=layerwise, transport={"secret": SECRET})
-    llm = LLM(model=model, max_model_len=len(prompt) + 16, dtype="bfloat16", enforce_eager=True,
+    llm = LLM(model=model, max_model_len=len(prompt) + 16, dtype=resolve_dtype("auto", model), enforce_eager=True,
               max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
               kv_transfer_config=KVTransferConfig(kv_connector="PrfaasConnector",
                                                   kv_connector_module_path="services.kv_connector.connector",

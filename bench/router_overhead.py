@@ -21,6 +21,8 @@ from pathlib import Path
 import _common
 from _common import free_port
 
+from services.engine.args import resolve_dtype
+
 MODEL = "smollm2-135m-instruct"
 
 
@@ -70,7 +72,7 @@ def run_vllm(args, out: Path) -> dict:
     process = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2.prepare()),
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-         "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
+         "--dtype", resolve_dtype("auto", smollm2.prepare()), "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
         cwd=_common.ROOT, stdout=open(out / "vllm.log", "wb"), stderr=subprocess.STDOUT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     return measure(process, f"http://127.0.0.1:{port}", args, out)

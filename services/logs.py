@@ -51,9 +51,25 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(service: str, level: str = "info", json_lines: bool = False) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [_handler(service, json_lines)]
+    root.setLevel(level.upper())
+
+
+def setup_package_logging(service: str, level: str = "info", json_lines: bool = False) -> None:
+    """Log lines of the project's own modules inside a process another framework set up (the
+    engine's worker processes, where only vLLM's loggers have handlers): same format and level as
+    the service that started it. Does nothing where the root logger already has handlers."""
+    if logging.getLogger().handlers:
+        return
+    package = logging.getLogger("services")
+    package.handlers[:] = [_handler(service, json_lines)]
+    package.setLevel(level.upper())
+    package.propagate = False
+
+
+def _handler(service: str, json_lines: bool) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ServiceFilter(service))
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(PLAIN_FORMAT))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    return handler

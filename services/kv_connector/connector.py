@@ -24,12 +24,15 @@ from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.stats import TransportStats
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
+from services.logs import setup_package_logging
 
 
 class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.of(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        if self.settings.logging:
+            setup_package_logging(**self.settings.logging)
         pool = self.settings.open_pool(kv_cache_config)
         self.pool_io = pool[0] if pool else None
         self.scheduler = self.worker = self.pool_worker = None
@@ -37,7 +40,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
             self.worker = PrfaasConnectorWorker(self.settings.open_streams, self.settings.recv_idle_timeout_s,
-                                                self.settings.max_early_bytes, self.settings.layerwise)
+                                                self.settings.max_early_bytes, self.settings.layerwise,
+                                                self.settings.recv_first_frame_timeout_s)
             self.pool_worker = PoolWorker(*pool) if pool else None
         self._exported_pool_counters: dict[str, int] = {}
 

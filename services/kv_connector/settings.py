@@ -21,6 +21,8 @@ class ConnectorSettings:
     cache_pool_address: str | None = None
     cache_pool_model: str = ""  # the pool's model key (names the model and its KV layout)
     cache_pool_lookup_timeout_s: float = 0.5  # a slow lookup delays only its own request
+    # The worker's `logging` section and name: the connector's log lines in the engine's processes.
+    logging: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, extra: dict) -> "ConnectorSettings":
@@ -35,6 +37,12 @@ class ConnectorSettings:
         from services.kv_transport import TransportSettings
 
         return TransportSettings.of(self.transport).recv_idle_timeout_s
+
+    @property
+    def recv_first_frame_timeout_s(self) -> float:
+        from services.kv_transport import TransportSettings
+
+        return TransportSettings.of(self.transport).recv_first_frame_timeout_s
 
     def open_pool(self, kv_cache_config):
         """The pool's I/O bridge and this engine's pool keys; None when no pool is configured or the

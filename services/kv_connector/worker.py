@@ -37,6 +37,7 @@ class _Receiving:
     early_frames: list[Frame] = field(default_factory=list)
     early_bytes: int = 0
     done: bool = False
+    started: bool = False  # some KV (or the transfer's end) arrived
     last_activity: float = field(default_factory=time.monotonic)
 
 
@@ -47,11 +48,13 @@ class TransferResults:
 
 
 class PrfaasConnectorWorker:
-    def __init__(self, streams_factory, idle_timeout_s: float, max_early_bytes: int, layerwise: bool = True) -> None:
+    def __init__(self, streams_factory, idle_timeout_s: float, max_early_bytes: int, layerwise: bool = True,
+                 first_frame_timeout_s: float | None = None) -> None:
         self._streams_factory = streams_factory
         self._layerwise = layerwise
         self._deferred: dict[str, list[tuple]] = {}  # send-after-prefill mode: frames held to the end
         self._idle_timeout_s = idle_timeout_s
+        self._first_frame_timeout_s = max(idle_timeout_s, first_frame_timeout_s or idle_timeout_s)
         self._max_early_bytes = max_early_bytes
         self.layout: KVLayout | None = None
         self.streams: KVTransport | None = None
@@ -144,6 +147,7 @@ class PrfaasConnectorWorker:
             return
         receiving = self._receiving.setdefault(event.transfer_id, _Receiving())
         receiving.last_activity = time.monotonic()
+        receiving.started = True
         if isinstance(event, TransferFailed):
             failed[event.transfer_id] = event.reason
         elif isinstance(event, TransferDone):
@@ -203,8 +207,14 @@ class PrfaasConnectorWorker:
             if receiving.spec is None:
                 if idle_s > max(self._idle_timeout_s, STAGED_TIMEOUT_S):
                     self._forget(transfer_id, "no request on this engine waits for it")
-            elif idle_s > self._idle_timeout_s and not receiving.done:
-                failed.setdefault(transfer_id, f"no KV received for {self._idle_timeout_s:.0f} s")
+            elif not receiving.done and idle_s > (limit := self._idle_limit(receiving)):
+                what = "no KV received" if receiving.started else "no KV arrived (prefill queued, slow or lost)"
+                failed.setdefault(transfer_id, f"{what} for {limit:.0f} s")
+
+    def _idle_limit(self, receiving: _Receiving) -> float:
+        """Once KV flows, a pause of ``idle_timeout_s`` means the sender is gone; before the first KV
+        the prefill may wait in its engine's queue behind others, so the wait may be longer."""
+        return self._idle_timeout_s if receiving.started else self._first_frame_timeout_s
 
     def _collect(self, failed: dict[str, str]) -> TransferResults:
         finished, failed_req_ids = self._released, set()

@@ -32,7 +32,11 @@ class TransportSettings:
     connect_timeout_s: float = _opt(10.0, "Deadline for connecting (and handshaking) to a peer.")
     io_timeout_s: float = _opt(30.0, "A socket that makes no progress this long is dead.")
     send_timeout_s: float = _opt(60.0, "Longest a send may wait for room before the transfer fails.")
-    recv_idle_timeout_s: float = _opt(30.0, "A receiving transfer with no progress this long fails.")
+    recv_idle_timeout_s: float = _opt(30.0, "A receiving transfer with no progress this long, once its first KV "
+                                      "arrived, fails.")
+    recv_first_frame_timeout_s: float = _opt(300.0, "A decode engine waits this long for a transfer's first KV "
+                                             "(the prefill may be queued behind others); the router cancels a "
+                                             "request whose prefill fails, so this is a backstop.")
     secret: str = _opt("", "Shared secret both ends prove at connect; empty: read it from `secret_env`.")
     secret_env: str = _opt("PRFAAS_KV_SECRET", "Environment variable with the shared secret.")
     tls_cert: str = _opt("", "PEM certificate; set `tls_cert`, `tls_key` and `tls_ca` to wrap connections "

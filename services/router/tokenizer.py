@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from services.router.errors import bad_request
@@ -13,7 +14,7 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.vocab_size = len(self._tokenizer)
+        self.vocab_size = _embedding_rows(model_path) or len(self._tokenizer)
 
     async def encode(self, request: ApiRequest) -> list[int]:
         """Token ids of the request's prompt (chat template applied for chat requests); token ids
@@ -30,6 +31,17 @@ class PromptTokenizer:
             )
             return self._tokenizer.encode(text, add_special_tokens=False)
         return self._tokenizer.encode(request.prompt)
+
+
+def _embedding_rows(model_path: Path) -> int | None:
+    """The model's own vocabulary size (rows of its embedding table), which may exceed the
+    tokenizer's: any id below it is a valid input to the engine."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if size else None
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from services.engine.args import resolve_dtype
 from services.launcher.supervisor import router_healthy
 from support.deployment import wait_until
 from support.ports import free_port
@@ -28,7 +29,7 @@ def vllm_server(tmp_path_factory):
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2.prepare()),
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-         "--dtype", "bfloat16", "--enforce-eager"],
+         "--dtype", resolve_dtype("auto", smollm2.prepare()), "--enforce-eager"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:

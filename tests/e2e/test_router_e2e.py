@@ -14,6 +14,7 @@ import openai
 import pytest
 import yaml
 
+from services.engine.args import resolve_dtype
 from services.models import smollm2
 from services.security import GrpcSecurity
 from support.deployment import deployment_config, run_python, wait_until
@@ -130,7 +131,7 @@ def _direct_vllm_greedy(prompts: list[list[int]], max_tokens: int) -> list[dict]
 import json
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0)
+llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype={resolve_dtype("auto", smollm2.prepare())!r}, enforce_eager=True, seed=0)
 params = SamplingParams(temperature=0, max_tokens={max_tokens})
 results = []
 for ids in {prompts!r}:

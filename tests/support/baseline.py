@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from services.engine.args import resolve_dtype
 from support.deployment import run_python
 
 
@@ -27,7 +28,7 @@ prompts, budgets = {prompts!r}, {budgets!r}
 params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 texts = [None] * len(prompts)
 for budget in sorted(set(budgets)):
-    llm = LLM(model={model_path!r}, max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0,
+    llm = LLM(model={model_path!r}, max_model_len=2048, dtype={resolve_dtype("auto", model_path)!r}, enforce_eager=True, seed=0,
               max_num_batched_tokens=budget, max_num_seqs=min(64, budget), **{engine!r})
     for i, ids in enumerate(prompts):
         if budgets[i] == budget:

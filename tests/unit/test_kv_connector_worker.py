@@ -5,12 +5,14 @@ transport and engines are covered by tests/e2e/test_kv_data_plane.py.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from services.kv_connector import worker as worker_module
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
-from services.kv_transport import TransferDone, TransferFailed
+from services.kv_transport import Frame, TransferDone, TransferFailed
 
 
 class _Events:
@@ -30,9 +32,15 @@ class _Events:
 
 @pytest.fixture
 def worker():
-    worker = PrfaasConnectorWorker(_Events, idle_timeout_s=10.0, max_early_bytes=1 << 20)
+    worker = PrfaasConnectorWorker(_Events, idle_timeout_s=10.0, max_early_bytes=1 << 20, first_frame_timeout_s=60.0)
     worker.streams = _Events()
+    worker.layout = types.SimpleNamespace(fingerprint="layout")
     return worker
+
+
+def _frame(transfer_id: str) -> Frame:
+    """The first frame a producer sends: its layout fingerprint (matches the worker's layout)."""
+    return Frame(transfer_id, worker_module.FINGERPRINT_LAYER, 0, 0, 0, memoryview(b"layout"))
 
 
 def _recv(req_id: str, transfer_id: str) -> RecvSpec:
@@ -93,7 +101,22 @@ def test_a_receive_that_stalls_fails_after_the_idle_timeout(worker, monkeypatch)
     clock = [1000.0]
     monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
     worker.on_metadata(PrfaasConnectorMetadata(recvs=[_recv("r1", "t1")]))
+    worker.streams.pending.append(TransferFailed("other", "x"))  # unrelated: t1 has seen nothing yet
+    clock[0] += 11.0  # its prefill waits in the prefill engine's queue: not a stall
+    assert worker.get_transfer_results().failed_recving == set()
+    worker.streams.pending.append(_frame("t1"))
+    worker.get_transfer_results()
     clock[0] += 9.0
+    assert worker.get_transfer_results().failed_recving == set()
+    clock[0] += 2.0  # KV flowed, then stopped for longer than the idle timeout
+    assert worker.get_transfer_results().failed_recving == {"r1"}
+
+
+def test_a_receive_whose_first_kv_never_comes_fails_after_the_first_frame_timeout(worker, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    worker.on_metadata(PrfaasConnectorMetadata(recvs=[_recv("r1", "t1")]))
+    clock[0] += 59.0
     assert worker.get_transfer_results().failed_recving == set()
     clock[0] += 2.0
     assert worker.get_transfer_results().failed_recving == {"r1"}

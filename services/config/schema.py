@@ -296,13 +296,17 @@ class DeploymentConfig:
         "docs/deployment.md, \"Threat model\".")
     transport: dict = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or `secret_env` "
                            "(PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, `max_frame_bytes`, "
-                           "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see services/kv_transport/settings.py.")
+                           "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see "
+                           "services/kv_transport/settings.py.")
 
     def validate(self) -> None:
         from services.config.cache_pool_checks import check_cache_pools
-        from services.kv_transport.settings import TransportSettings
+        from services.kv_transport.settings import SettingsError, TransportSettings
 
-        TransportSettings.of(self.transport)
+        try:
+            TransportSettings.of(self.transport)
+        except SettingsError as exc:
+            raise ConfigError(str(exc)) from None
         check_cache_pools(self)
         if self.router.max_body_bytes is not None and self.router.max_body_bytes <= 0:
             raise ConfigError(f"router.max_body_bytes: must be positive, got {self.router.max_body_bytes!r}")

@@ -10,6 +10,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
+from services.engine.servicers import PrefillWorkerServicer, stats_message
 from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
@@ -41,24 +42,10 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         return stats_message(self._engine, self._identity, self._guard)
 
 
-def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> pb.WorkerStats:
-    return convert.stats_to_proto(
-        engine.stats(),
-        worker_name=identity.worker_name,
-        service=identity.service,
-        role=identity.role,
-        model=identity.model,
-        max_model_len=engine.max_model_len if engine.started else 0,
-        grpc_rejected=guard.rejections.snapshot(),
-    )
-
-
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:
     """Registers DecodeWorker and PrefillWorker, whatever the configured role: the engine's connector
     is ``kv_both``, so the router can flip a local PD worker between prefill and decode at run time
     (``scheduler.role_flips``) without telling the worker; it sends prefills only to prefill roles."""
-    from services.prefill_worker.server import PrefillWorkerServicer
-
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity, guard), server)
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity, guard), server)
     return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

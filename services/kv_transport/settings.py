@@ -4,7 +4,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from services.config.errors import ConfigError
+
+
+class SettingsError(ValueError):
+    """A `transport:` setting that cannot be used; the message names the key. (The config loader
+    reports it as a configuration error; this package depends on no other of the project.)"""
 
 
 def _opt(default, help: str):
@@ -58,26 +62,26 @@ class TransportSettings:
         known = {f.name: f for f in fields(cls)}
         for key, value in raw.items():
             if key not in known:
-                raise ConfigError(f"transport.{key}: unknown key (known: {', '.join(known)})")
+                raise SettingsError(f"transport.{key}: unknown key (known: {', '.join(known)})")
             expected = type(known[key].default)
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 raw[key] = value = float(value)
             if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
-                raise ConfigError(f"transport.{key}: expected {expected.__name__}, got {value!r}")
+                raise SettingsError(f"transport.{key}: expected {expected.__name__}, got {value!r}")
             if expected in (int, float) and value <= 0:
-                raise ConfigError(f"transport.{key}: must be positive, got {value!r}")
+                raise SettingsError(f"transport.{key}: must be positive, got {value!r}")
         settings = cls(**raw)
         if settings.notsent_lowat_bytes >= 1 << 31:
-            raise ConfigError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
+            raise SettingsError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
                               "kernel's socket option (below 2 GiB)")
         if settings.frame_bytes > settings.max_frame_bytes:
-            raise ConfigError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
+            raise SettingsError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
                               f"({settings.max_frame_bytes}), which receivers would refuse")
         if settings.max_connections_per_peer < settings.connections_per_peer:
-            raise ConfigError(f"transport.max_connections_per_peer: {settings.max_connections_per_peer} is below "
+            raise SettingsError(f"transport.max_connections_per_peer: {settings.max_connections_per_peer} is below "
                               f"connections_per_peer ({settings.connections_per_peer}); peers could not connect")
         if len({bool(settings.tls_cert), bool(settings.tls_key), bool(settings.tls_ca)}) > 1:
-            raise ConfigError("transport.tls_cert: tls_cert, tls_key and tls_ca go together")
+            raise SettingsError("transport.tls_cert: tls_cert, tls_key and tls_ca go together")
         return settings
 
     def to_dict(self) -> dict:

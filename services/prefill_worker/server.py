@@ -1,57 +1,13 @@
-"""gRPC servicer of the PrfaaS prefill worker: converts protobuf and calls the engine."""
+"""The PrfaaS prefill worker's gRPC service: PrefillWorker only (services/engine/servicers.py)."""
 from __future__ import annotations
-
-import logging
-import time
 
 import grpc
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
-from services.decode_worker.server import stats_message
-from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
-from services.logs import bind_request_id
-
-logger = logging.getLogger(__name__)
-
-
-class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
-        self._engine = engine
-        self._identity = identity
-        self._guard = guard
-
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
-        worker KV port of the deployment (PERMISSION_DENIED otherwise, before anything is dialled).
-        Returns when the prefill is done."""
-        bind_request_id(request.request_id)
-        if not request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        if request.kv_target and (why := self._guard.kv_targets.refusal(request.kv_target)) is not None:
-            self._guard.rejections.count("unknown_peer")
-            logger.warning("request %s: refused Prefill from %s: %s", request.request_id, context.peer(), why)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-        started = time.perf_counter()
-        prefill = convert.prefill_input_from_proto(request)
-        last = None
-        try:
-            async for delta in self._engine.generate(prefill):
-                last = delta
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        elapsed = time.perf_counter() - started
-        logger.debug("request %s: prefilled %d tokens in %.3f s", request.request_id, last.num_prompt_tokens, elapsed)
-        return pb.PrefillResponse(
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_cached_tokens=last.num_cached_tokens,
-            prefill_seconds=elapsed,
-        )
-
-    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return stats_message(self._engine, self._identity, self._guard)
+from services.engine.servicers import PrefillWorkerServicer
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from services.config import ConfigError
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSettings
 from services.kv_transport import protocol
+from services.kv_transport.settings import SettingsError
 
 SECRET = "test-secret"
 
@@ -199,7 +199,7 @@ def test_mutual_tls(pair, tmp_path):
     ({"notsent_lowat_bytes": 1 << 32}, "transport.notsent_lowat_bytes: .*below 2 GiB"),
 ])
 def test_settings_errors_name_the_key(raw, error):
-    with pytest.raises(ConfigError, match=error):
+    with pytest.raises(SettingsError, match=error):
         TransportSettings.of(raw)
 
 

@@ -1,6 +1,6 @@
 # `make up` runs the embedded default deployment; `make test` runs the test suite.
 # Both set up their own environment first (scripts/bootstrap.sh; safe to repeat).
-.PHONY: setup up test proto image image-cpu image-cuda
+.PHONY: setup up test lint docs proto image image-cpu image-cuda
 
 setup:
 	@scripts/bootstrap.sh
@@ -10,6 +10,17 @@ up: setup
 
 test: setup
 	.venv/bin/python -m pytest -q
+
+# The code's shape and rules: import contracts (.importlinter), ruff, mypy where it is strict.
+lint: setup
+	.venv/bin/lint-imports --no-cache
+	.venv/bin/ruff check services tests bench scripts
+	.venv/bin/mypy services/scheduling
+
+# Generated documentation: the configuration reference and the architecture's layer diagram.
+docs: setup
+	.venv/bin/python scripts/gen_config_reference.py
+	.venv/bin/python scripts/gen_architecture.py
 
 proto: setup
 	.venv/bin/python scripts/gen_proto.py

@@ -64,7 +64,8 @@ def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(50):  # until the server listens
-                result = subprocess.run(pinned(client_cpu) + ["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount,
+                command = ["iperf3", "-c", host, "-p", str(port), "-P", str(streams), "-J"] + amount
+                result = subprocess.run(pinned(client_cpu) + command,
                                         capture_output=True, text=True)
                 if "unable to connect" not in result.stdout + result.stderr:
                     break

@@ -58,7 +58,8 @@ def main() -> int:
     parser.add_argument("--rtt-ms", type=float, default=20, help="round trip added by the link in ms; 0: a plain "
                         "veth pair, tens of microseconds (default 20)")
     parser.add_argument("--megabytes", type=int, default=256, help="KV per transfer in MiB (default 256)")
-    parser.add_argument("--rounds", type=int, default=3, help="measured runs per connection count, after one to open the connections (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured runs per connection count, after one "
+                        "to open the connections (default 3)")
     parser.add_argument("--buffer-ms", type=int, default=20, help="bottleneck queue in ms at the cap (default 20)")
     args = parser.parse_args()
     cap_gbps = args.rate_mbit / 1000

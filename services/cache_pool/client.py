@@ -83,7 +83,8 @@ class CachePoolClient:
         kv_port = (await self.describe()).kv_port
         return f"{self.address.rpartition(':')[0]}:{kv_port}" if kv_port else None
 
-    async def push(self, model: str, refs: Sequence[tuple[int, bytes]], kv_target: str, kv_transfer_id: str) -> PutResult:
+    async def push(self, model: str, refs: Sequence[tuple[int, bytes]], kv_target: str,
+                   kv_transfer_id: str) -> PutResult:
         """Have the pool send these blocks to another pool's KV listener (``kv_address``), which
         stores them on ``put_pushed`` with the same ``kv_transfer_id``."""
         response = await self._stub.Push(pb.PushRequest(

@@ -67,7 +67,8 @@ def add_blocks(repeated, blocks: list[Block]) -> None:
     shared-memory file go as its ``ShmFile``."""
     for b in blocks:
         if isinstance(b.data, (ShmFile, ShmBlockData)):
-            repeated.add(group_id=b.group_id, block_hash=b.block_hash, shm=pb.ShmFile(name=b.data.name, size=b.data.size))
+            repeated.add(group_id=b.group_id, block_hash=b.block_hash,
+                         shm=pb.ShmFile(name=b.data.name, size=b.data.size))
         else:
             repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=b.data)
 

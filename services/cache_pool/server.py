@@ -163,7 +163,8 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
                 by_index[i].group != group_id or by_index[i].num_blocks != 1 for i, (group_id, _) in enumerate(refs)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KV transfer {request.kv_transfer_id} does not carry "
                           f"one frame per block of the Put ({len(frames)} frames, {len(refs)} blocks)")
-        return [Block(group_id, block_hash, bytes(by_index[i].payload)) for i, (group_id, block_hash) in enumerate(refs)]
+        return [Block(group_id, block_hash, bytes(by_index[i].payload))
+                for i, (group_id, block_hash) in enumerate(refs)]
 
     def _adopted(self, blocks: list[Block]) -> list[Block]:
         """Blocks whose bytes came as a client's file, now the pool's (``ValueError``: none taken)."""

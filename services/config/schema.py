@@ -36,7 +36,8 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "GPUs one engine shards the model across (vLLM tensor parallelism); "
                                      "give each worker pod as many `nvidia.com/gpu`.")
     max_num_seqs: int = _opt(64, "Most requests one engine runs at once.")
-    max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's default when null.")
+    max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's "
+                                              "default when null.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
     seed: int = _opt(0, "Engine random seed (sampling without a per-request seed).")
 

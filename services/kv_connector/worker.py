@@ -174,13 +174,15 @@ class PrfaasConnectorWorker:
         """Copy one frame into the request's blocks; returns an error text instead of raising."""
         if frame.layer == FINGERPRINT_LAYER:
             theirs = bytes(frame.payload).decode(errors="replace")
-            return None if theirs == self.layout.fingerprint else f"KV layout mismatch ({theirs} != {self.layout.fingerprint})"
+            ours = self.layout.fingerprint
+            return None if theirs == ours else f"KV layout mismatch ({theirs} != {ours})"
         layer = self.layout.by_index.get(frame.layer)
         if layer is None or layer.group != frame.group:
             return f"frame for unknown layer {frame.layer} / group {frame.group}"
         ids = self._destination(layer, frame, spec)
         if ids is None:
-            return f"frame outside the request's blocks (layer {frame.layer}, blocks {frame.block_start}+{frame.num_blocks})"
+            return (f"frame outside the request's blocks (layer {frame.layer}, "
+                    f"blocks {frame.block_start}+{frame.num_blocks})")
         if len(frame.payload) != self.layout.payload_bytes(layer, frame.num_blocks):
             return f"frame of {len(frame.payload)} bytes does not match layer {frame.layer}'s block size"
         keep = [i for i, block in enumerate(ids) if block is not None]

@@ -120,7 +120,7 @@ def _print_ready(config) -> None:
     print(f"""try:
   curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{config.model.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
-""", flush=True)
+""", flush=True)  # noqa: E501  (a command to copy, on one line)
 
 
 def _report_exit(children, stopping: list) -> int:

@@ -76,7 +76,8 @@ class OpenAIClient:
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as response:
                 if response.status != 200:
-                    raise EndpointError(f"GET {url} answered {response.status}: {_error_message(await response.text())}")
+                    detail = _error_message(await response.text())
+                    raise EndpointError(f"GET {url} answered {response.status}: {detail}")
                 body = await response.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EndpointError(f"cannot reach {url}: {_describe(exc)}") from None

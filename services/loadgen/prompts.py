@@ -78,5 +78,6 @@ def _stable_ids(tokenizer) -> np.ndarray:
     candidates = [i for i in range(len(tokenizer)) if i not in special]
     texts = tokenizer.batch_decode([[i] for i in candidates])
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    stable = [i for i, text, ids in zip(candidates, texts, encoded) if ids == [i] and text.strip() and text.isprintable()]
+    stable = [i for i, text, ids in zip(candidates, texts, encoded)
+              if ids == [i] and text.strip() and text.isprintable()]
     return np.array(stable or candidates, dtype=np.int64)

@@ -139,7 +139,8 @@ def _workload(raw: Any) -> Workload:
     return Workload(
         input_length=_length_distribution(_required(node, "input_length", "workload")),
         output_tokens=_count(node, "output_tokens", "workload"),
-        slo_tokens_per_second=_number(node, "slo_tokens_per_second", "workload", positive=True) if slo is not None else None,
+        slo_tokens_per_second=(_number(node, "slo_tokens_per_second", "workload", positive=True)
+                               if slo is not None else None),
         prefix_hit=_prefix_hit(node["prefix_hit"]) if node.get("prefix_hit") is not None else None,
     )
 

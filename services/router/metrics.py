@@ -125,8 +125,9 @@ class RouterMetrics:
                                      ["worker", "peer"], registry=r)
         self.kv_link_rtt = Gauge("prfaas_kv_link_rtt_seconds", "Smoothed TCP RTT of a KV link (worst connection).",
                                  ["worker", "peer"], registry=r)
-        self.kv_link_retransmits = Gauge("prfaas_kv_link_retransmits", "TCP retransmits on a KV link's live connections.",
-                                         ["worker", "peer"], registry=r)
+        self.kv_link_retransmits = Gauge("prfaas_kv_link_retransmits",
+                                         "TCP retransmits on a KV link's live connections.", ["worker", "peer"],
+                                         registry=r)
         self.kv_link_cwnd = Gauge("prfaas_kv_link_cwnd_segments", "Sum of the congestion windows of a KV link.",
                                   ["worker", "peer"], registry=r)
         self.kv_link_delivery_rate = Gauge("prfaas_kv_link_delivery_rate_bits_per_second",

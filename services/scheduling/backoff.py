@@ -25,7 +25,7 @@ class Backoff:
     def fail(self, now_s: float) -> float:
         """Records a failure; returns the wait before the worker is tried again."""
         self.num_failures += 1
-        wait = min(self.config.base_s * 2 ** min(self.num_failures - 1, 32), self.config.max_s)
+        wait: float = min(self.config.base_s * 2.0 ** min(self.num_failures - 1, 32), self.config.max_s)
         self.retry_at_s = now_s + wait
         return wait
 

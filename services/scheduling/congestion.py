@@ -139,7 +139,9 @@ class CongestionAwareThreshold:
         per_worker = sample.num_queued / max(sample.num_usable_workers, 1)
         if per_worker <= self.config.queue_depth_per_worker:
             return False
-        return sample.num_local_queued is None or per_worker > sample.num_local_queued / max(sample.num_local_workers, 1)
+        if sample.num_local_queued is None:
+            return True
+        return per_worker > sample.num_local_queued / max(sample.num_local_workers, 1)
 
     def _adjust(self, now_s: float) -> None:
         cfg = self.config

@@ -1,4 +1,4 @@
-"""Selective offloading on the incremental prefill length (paper, section 3.4.3; DESIGN.md, request flow).
+"""Selective offloading on the incremental prefill length (paper, section 3.4.3; docs/architecture.md, "One request").
 
 The router knows, per cluster, how many leading prompt tokens that cluster's cache pool holds. The
 *incremental* prefill length is what a prefill still has to compute: ``l = l_total - cached``.

@@ -101,5 +101,6 @@ def choose_route(workers: tuple[WorkerView, ...], incremental_prefill_tokens: in
     return _route("local", decode_name, None, decision)
 
 
-def _route(path, decode: str, prefill: str | None, decision: OffloadDecision) -> Route:
+def _route(path: Literal["local", "pd", "prfaas"], decode: str, prefill: str | None,
+           decision: OffloadDecision) -> Route:
     return Route(path, decode, prefill, decision.num_cached_tokens, decision.transfer)

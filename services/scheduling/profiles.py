@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduling.threshold import OffloadModel
@@ -36,7 +37,7 @@ class LengthSample:
     cumulative: tuple[int, ...]
 
     @classmethod
-    def of(cls, lengths) -> LengthSample:
+    def of(cls, lengths: Iterable[int]) -> LengthSample:
         ordered = tuple(sorted(lengths))
         return cls(ordered, (0, *itertools.accumulate(ordered)))
 
@@ -120,6 +121,7 @@ class OnlineProfiles:
             return None
         sample = self.lengths(now_s)
         bytes_per_token = self.kv_bytes_per_token
+        assert bytes_per_token is not None  # missing() says so otherwise
 
         def offloaded_kv_bytes(t: float) -> float:
             return bytes_per_token * sample.mean_above(t)

@@ -1,4 +1,4 @@
-"""Long-timescale role flips of local PD workers (paper, section 3.4.3; DESIGN.md "Scheduler").
+"""Long-timescale role flips of local PD workers (paper, section 3.4.3; docs/architecture.md).
 
 Every observation the caller hands in a :class:`StageSnapshot` of the local PD workers that hold a
 single role (``prefill`` = PD-P, ``decode`` = PD-D). The binding stage is read from queues and
@@ -116,6 +116,7 @@ class RoleBalancer:
 
     def _continue_drain(self, snapshot: StageSnapshot) -> RoleAction | None:
         drain = self.draining
+        assert drain is not None  # called only while a worker drains
         worker = next((w for w in snapshot.workers if w.name == drain.worker), None)
         if worker is not None and worker.num_in_flight == 0 and worker.num_prefill_queued == 0:
             return self._finish("flip", snapshot.now_s)
@@ -125,6 +126,7 @@ class RoleBalancer:
 
     def _finish(self, kind: Literal["flip", "cancel"], now_s: float) -> RoleAction:
         drain, self.draining = self.draining, None
+        assert drain is not None  # called only while a worker drains
         self._binding_since_s = now_s
         if kind == "flip":
             self._last_flip_s = now_s

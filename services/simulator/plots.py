@@ -22,7 +22,7 @@ def write_queue_plot(results: list[SimResult], directory: Path,
             values = [s[column] for s in result.samples]
             if any(values):
                 ax.plot(times, values, label=LABELS[name], linewidth=1)
-        for at, gbps in bandwidth_trace:
+        for at, _gbps in bandwidth_trace:
             ax.axvline(at, color="gray", linestyle=":", linewidth=0.8)
         ax.set_ylabel("requests queued")
         ax.set_title(f"{result.policy}: {result.offered_rate:.2f} req/s offered", fontsize=10)

@@ -123,7 +123,8 @@ def smol(tmp_path_factory):
 def test_a_dense_prefix_prefilled_on_one_worker_is_loaded_by_another(smol):
     deployment, prompts, expected = smol
     _prefill_on_pd_a(deployment, prompts["a"])
-    assert wait_until(lambda: _pool_holds(deployment, len(prompts["a"]) // BLOCK), 30), "A's blocks never reached the pool"
+    assert wait_until(lambda: _pool_holds(deployment, len(prompts["a"]) // BLOCK), 30), \
+        "A's blocks never reached the pool"
     assert _complete(deployment, SMOL, prompts["b"]) == expected
     assert wait_until(lambda: _loaded_by_pd_b(deployment, SMOL_PREFIX), 10), deployment.worker_stats("pd-b")
     # pd-b computed from the prefix on: it stored only its own full blocks after it
@@ -160,7 +161,8 @@ def hybrid(tmp_path_factory):
     prompts = _hybrid_prompts()
     engine = {"max_num_batched_tokens": HYBRID_BUDGET, "enable_prefix_caching": False}
     deployment, texts = _start_deployment_and_reference(
-        tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()), [prompts["on_state"], prompts["between_states"]],
+        tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()),
+        [prompts["on_state"], prompts["between_states"]],
         HYBRID_BUDGET)
     assert all(texts), "the reference generated empty texts: choose other seeds"
     yield deployment, prompts, dict(zip(("on_state", "between_states"), texts))

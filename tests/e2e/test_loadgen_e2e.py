@@ -87,4 +87,6 @@ def test_one_request_id_follows_a_request_through_every_service(deployment):
                                       extra_headers={"X-Request-Id": request_id})
     assert reply.id == request_id
     for service in ("router", "prefill-0", "decode-0"):
-        assert wait_until(lambda: _tagged(deployment, service, request_id), 10), f"{service} has no line for it"
+        # wait_until calls the lambda before the loop moves on
+        assert wait_until(lambda: _tagged(deployment, service, request_id), 10), \
+            f"{service} has no line for it"  # noqa: B023

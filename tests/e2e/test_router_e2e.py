@@ -131,7 +131,8 @@ def _direct_vllm_greedy(prompts: list[list[int]], max_tokens: int) -> list[dict]
 import json
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype={resolve_dtype("auto", smollm2.prepare())!r}, enforce_eager=True, seed=0)
+llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype={resolve_dtype("auto", smollm2.prepare())!r},
+          enforce_eager=True, seed=0)
 params = SamplingParams(temperature=0, max_tokens={max_tokens})
 results = []
 for ids in {prompts!r}:

@@ -109,7 +109,7 @@ def test_calls_without_the_token_are_unauthenticated_and_counted(cluster, name):
         _get_stats(channel, name)  # the deployment's own credentials work
     for reason in ("missing_token", "wrong_token"):
         sample = f'prfaas_grpc_rejected_total{{reason="{reason}",service="{name}"}}'
-        assert wait_until(lambda: _rejected(cluster, name, sample) >= 1, 10), sample
+        assert wait_until(lambda: _rejected(cluster, name, sample) >= 1, 10), sample  # noqa: B023 (called at once)
 
 
 def _rejected(cluster, name: str, sample: str) -> float:

@@ -28,11 +28,13 @@ prompts, budgets = {prompts!r}, {budgets!r}
 params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 texts = [None] * len(prompts)
 for budget in sorted(set(budgets)):
-    llm = LLM(model={model_path!r}, max_model_len=2048, dtype={resolve_dtype("auto", model_path)!r}, enforce_eager=True, seed=0,
+    llm = LLM(model={model_path!r}, max_model_len=2048, dtype={resolve_dtype("auto", model_path)!r},
+              enforce_eager=True, seed=0,
               max_num_batched_tokens=budget, max_num_seqs=min(64, budget), **{engine!r})
     for i, ids in enumerate(prompts):
         if budgets[i] == budget:
-            texts[i] = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0].outputs[0].text
+            output = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
+            texts[i] = output.outputs[0].text
     del llm
 print("RESULT" + json.dumps(texts))
 """

@@ -16,7 +16,13 @@ def tokenize(text: str) -> list[int]:
 @functools.cache
 def corpus() -> list[int]:
     """The docstrings of a few standard-library modules and their classes, tokenized."""
-    import argparse as a, collections as c, inspect, json as j, logging as lg, subprocess as sp, threading as th
+    import argparse as a
+    import collections as c
+    import inspect
+    import json as j
+    import logging as lg
+    import subprocess as sp
+    import threading as th
 
     text = "\n\n".join(inspect.getdoc(m) or "" for m in (a, c, j, lg, sp, th, inspect))
     text += "\n\n".join(inspect.getdoc(getattr(m, name)) or "" for m in (sp, th, c) for name in dir(m)

@@ -98,7 +98,10 @@ class FakePool:
         return ()
 
 
-def control(scheduler, route=Route("local", "d0")):
+LOCAL = Route("local", "d0")
+
+
+def control(scheduler, route: Route | None = LOCAL):
     config = parse_config({"workers": [{"name": "d0", "port": 50071}],
                            "scheduler": {"admission_control": True, **scheduler}})
     metrics = RouterMetrics()

@@ -88,7 +88,7 @@ def test_small_base_thresholds_still_move():
     {"link_capacity_gbps": 0},
 ])
 def test_bad_controller_config_is_refused(kwargs):
-    base = dict(base_threshold_tokens=1024, max_threshold_tokens=8192, link_capacity_gbps=10)
+    base = {"base_threshold_tokens": 1024, "max_threshold_tokens": 8192, "link_capacity_gbps": 10}
     with pytest.raises(ValueError):
         CongestionControllerConfig(**{**base, **kwargs})
 

@@ -23,7 +23,7 @@ WORKER = st.fixed_dictionaries({"name": st.text(min_size=1, max_size=4), "port":
                                optional={"role": SCALARS, "kv_port": st.integers(-5, 70000) | st.none(),
                                          "service": SCALARS, "health_port": SCALARS, "engine": TREES})
 DEPLOYMENTS = st.fixed_dictionaries({}, optional={
-    **{section: TREES for section in SECTIONS},
+    **dict.fromkeys(SECTIONS, TREES),
     "workers": st.lists(WORKER, max_size=3)})
 
 

@@ -92,7 +92,7 @@ def test_rotation_accepts_the_previous_token_until_it_is_removed(pool_server, mo
 def test_mutual_tls_refuses_a_client_of_another_ca_at_the_handshake(pool_server, tmp_path):
     ours = make_node_cert(tmp_path / "ours")
     theirs = make_node_cert(tmp_path / "theirs", ca_name="someone-else")
-    tls = dict(tls_cert=ours.cert, tls_key=ours.key, tls_ca=ours.ca)
+    tls = {"tls_cert": ours.cert, "tls_key": ours.key, "tls_ca": ours.ca}
     server = pool_server(GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,), **tls))
     assert _stats(GrpcSecurity(token=TOKEN, **tls), server.port).memory_blocks == 0
     assert _health(GrpcSecurity(**tls), server.port) == health_pb2.HealthCheckResponse.SERVING

@@ -43,7 +43,8 @@ CLUSTER_ROLE_OF = {"prfaas": "prfaas-cluster", "local": "local-cluster"}
 POOL_COMPONENT = "cache-pool"
 # The pool process' own memory on top of memory_budget_gib (Python, gRPC buffers of in-flight calls).
 MIN_POOL_OVERHEAD_BYTES = 2**30
-QUANTITY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+QUANTITY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+                     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 ROLES = [(d, r) for d in deployments() for r in CLUSTER_ROLES]
 
 
@@ -210,7 +211,8 @@ def test_cache_pool_ports_match_containers_services_probes_and_scraping(deployme
         assert service["spec"]["selector"].items() <= pod_labels.items()
         assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         for other_sts in (s for _, s in found.values() if s is not sts):
-            assert not service["spec"]["selector"].items() <= other_sts["spec"]["template"]["metadata"]["labels"].items()
+            other_labels = other_sts["spec"]["template"]["metadata"]["labels"]
+            assert not service["spec"]["selector"].items() <= other_labels.items()
         (monitor,) = [m for m in rendered.of_kind("ServiceMonitor")
                       if m["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()]
         selected = [s for s in all_services
@@ -296,7 +298,7 @@ def test_every_service_gets_the_grpc_token_from_the_secret(deployment):
 def test_workers_get_the_kv_secret_and_tls_files_from_secrets(deployment):
     config = config_of(render(deployment, "local-cluster"))
     transport = TransportSettings.of(config.transport)
-    for rendered, sts in pods(deployment).values():
+    for _rendered, sts in pods(deployment).values():
         assert not is_pool(sts)
         secret_ref = env_of(sts)[transport.secret_env]["valueFrom"]["secretKeyRef"]
         assert secret_ref == {"name": "prfaas-secrets", "key": "kv-secret"}

@@ -82,7 +82,8 @@ def _step(new=(), cached=(), scheduled=None):
         num_scheduled_tokens=scheduled or {},
         total_num_scheduled_tokens=sum((scheduled or {}).values()),
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b, num_computed_tokens=n) for r, b, n in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached], new_block_ids=[b for _, b, _ in cached],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              new_block_ids=[b for _, b, _ in cached],
                                               num_computed_tokens=[n for _, _, n in cached], resumed_req_ids=set()))
 
 

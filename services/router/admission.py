@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from services.config import DeploymentConfig
 from services.router.errors import ApiError, bad_request, overloaded, unavailable
 from services.router.metrics import RouterMetrics
+from services.router.policy import Route
 from services.router.workers import WorkerPool
 from services.scheduling.admission import AdmissionSnapshot, PrefillQueue, QosClass, Rejection, admit
 from services.scheduling.decode_load import DecodeLoad
@@ -54,7 +55,7 @@ class AdmissionControl:
     generation. Never blocks."""
 
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, queues: PrefillQueues,
-                 threshold_tokens: Callable[[], float], metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics) -> None:
         scheduler = config.scheduler
         self._classes = tuple(QosClass(q.name, q.priority, q.reserved_fraction, q.ttft_slo_ms / 1000)
                               for q in scheduler.qos_classes) or (QosClass("default"),)
@@ -69,7 +70,6 @@ class AdmissionControl:
         self._decode_kv_limit = scheduler.decode_kv_limit
         self._pool = pool
         self._queues = queues
-        self._threshold_tokens = threshold_tokens
         self._metrics = metrics
         self.num_in_flight = 0
         for qos in self._classes:
@@ -90,11 +90,13 @@ class AdmissionControl:
         return qos
 
     @contextmanager
-    def admitted(self, request_id: str, qos: QosClass, num_prompt_tokens: int,
+    def admitted(self, request_id: str, qos: QosClass, route: Route | None, num_prompt_tokens: int,
                  num_output_tokens: int = 0) -> Iterator[None]:
         """Raises ApiError (429/503) to reject; otherwise counts the request in flight while inside.
+        ``route``: the dispatcher's decision for this request (``Dispatcher.plan``), the one it will
+        serve it on: admission reads that path's prefill queue and never routes on its own.
         ``num_output_tokens``: the request's ``max_tokens``, for the decode-load prediction."""
-        rejection = admit(qos, self._classes, num_prompt_tokens, self.snapshot(num_prompt_tokens),
+        rejection = admit(qos, self._classes, num_prompt_tokens, self.snapshot(route),
                           self._retry_after_s, num_output_tokens)
         if rejection is not None:
             self._metrics.rejected.labels(rejection.reason, qos.name).inc()
@@ -110,8 +112,7 @@ class AdmissionControl:
             self.num_in_flight -= 1
             self._metrics.in_flight.labels(qos.name).dec()
 
-    def snapshot(self, num_prompt_tokens: int) -> AdmissionSnapshot:
-        route = self._pool.route(num_prompt_tokens, self._threshold_tokens())
+    def snapshot(self, route: Route | None) -> AdmissionSnapshot:
         if route is None:
             return AdmissionSnapshot(can_serve=False, capacity=0, num_in_flight=self.num_in_flight)
         queue = self._queues.queue(route.path)

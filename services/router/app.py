@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.engine.types import GenerateInput
 from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
-from services.router.dispatch import Dispatcher, WorkerFailed
+from services.router.dispatch import Dispatcher, Plan, WorkerFailed
 from services.router.errors import ApiError, bad_request, invalid_api_key
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import ApiRequest, parse_request, with_max_tokens
@@ -121,19 +121,20 @@ class RouterApp:
         generate_input = await self._generate_input(api_request, request)
         bind_request_id(generate_input.request_id)
         shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
-        with self._admitted(generate_input, qos):
+        plan = await self.dispatcher.plan(generate_input)
+        with self._admitted(generate_input, qos, plan):
             try:
                 if api_request.stream:
-                    return await self._stream(request, api_request, generate_input, shape, started)
-                return await self._complete(generate_input, shape, started)
+                    return await self._stream(request, api_request, generate_input, plan, shape, started)
+                return await self._complete(generate_input, plan, shape, started)
             finally:
                 self.metrics.e2e.observe(time.monotonic() - started)
 
-    def _admitted(self, generate_input: GenerateInput, qos: QosClass | None):
+    def _admitted(self, generate_input: GenerateInput, qos: QosClass | None, plan: Plan):
         if self.admission is None:
             return contextlib.nullcontext()
-        return self.admission.admitted(generate_input.request_id, qos, len(generate_input.prompt_token_ids),
-                                       generate_input.sampling.max_tokens)
+        return self.admission.admitted(generate_input.request_id, qos, plan.route,
+                                       len(generate_input.prompt_token_ids), generate_input.sampling.max_tokens)
 
     async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:
         prompt_ids = await self.tokenizer.encode(api_request)
@@ -150,10 +151,11 @@ class RouterApp:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return GenerateInput(request_id, prompt_ids, sampling)
 
-    async def _complete(self, generate_input: GenerateInput, shape: ResponseShape, started: float) -> web.Response:
+    async def _complete(self, generate_input: GenerateInput, plan: Plan, shape: ResponseShape,
+                        started: float) -> web.Response:
         usage = Usage(len(generate_input.prompt_token_ids))
         texts, finish_reason = [], None
-        stream = _Timed(self.dispatcher.generate(generate_input), self.metrics, started, usage)
+        stream = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage)
         try:
             async for delta in stream:
                 texts.append(delta.text)
@@ -163,10 +165,10 @@ class RouterApp:
         return web.json_response(shape.full("".join(texts), finish_reason, usage))
 
     async def _stream(self, request: web.Request, api_request: ApiRequest, generate_input: GenerateInput,
-                      shape: ResponseShape, started: float) -> web.StreamResponse:
+                      plan: Plan, shape: ResponseShape, started: float) -> web.StreamResponse:
         usage = Usage(len(generate_input.prompt_token_ids))
         include_usage = api_request.include_usage
-        deltas = _Timed(self.dispatcher.generate(generate_input), self.metrics, started, usage).__aiter__()
+        deltas = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage).__aiter__()
         first = await deltas.__anext__()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)

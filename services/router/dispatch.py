@@ -38,6 +38,16 @@ class _PrefillFailed(Exception):
     pass
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """A request's one routing decision, made before admission (which reads its path) and served by
+    :meth:`Dispatcher.generate`; only a retry after a failed worker routes again."""
+
+    cache: PromptCache
+    block_hashes: list[bytes]
+    route: Route | None
+
+
 class Dispatcher:
     def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics,
                  threshold_tokens: float, queues: PrefillQueues | None = None,
@@ -51,9 +61,15 @@ class Dispatcher:
         self.threshold_tokens = threshold_tokens
         self.on_request: list[Callable[[int], None]] = []
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
-        """Yields the request's deltas. Raises ApiError before the first delta, WorkerFailed after.
-        Each ``on_request`` callback first gets the prompt's length (once per request, not per retry).
+    async def plan(self, request: GenerateInput) -> Plan:
+        """What is cached of the prompt and where the request goes (None: no worker can take it)."""
+        cache, block_hashes = await self._prompt_cache(request)
+        return Plan(cache, block_hashes, self._route(request.request_id, cache, block_hashes, frozenset()))
+
+    async def generate(self, request: GenerateInput, plan: Plan | None = None) -> AsyncIterator[TokenDelta]:
+        """Yields the request's deltas on ``plan``'s route (planned here when not given). Raises
+        ApiError before the first delta, WorkerFailed after. Each ``on_request`` callback first gets
+        the prompt's length (once per request, not per retry).
 
         Closing the iterator cancels the gRPC calls, which aborts the request on the workers.
         """
@@ -62,9 +78,10 @@ class Dispatcher:
         for callback in self.on_request:
             callback(num_tokens)
         num_committed = num_tokens + request.sampling.max_tokens
-        cache, block_hashes = await self._prompt_cache(request)
-        for _ in range(self._config.max_attempts):
-            route = self._route(request.request_id, cache, block_hashes, frozenset(tried))
+        plan = plan or await self.plan(request)
+        for attempt in range(self._config.max_attempts):
+            route = plan.route if attempt == 0 else \
+                self._route(request.request_id, plan.cache, plan.block_hashes, frozenset(tried))
             if route is None:
                 break
             tried.add(route.decode)

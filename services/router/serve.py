@@ -49,7 +49,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity).on_poll)
     admission = None
     if config.scheduler.admission_control:
-        admission = AdmissionControl(config, pool, queues, lambda: dispatcher.threshold_tokens, metrics)
+        admission = AdmissionControl(config, pool, queues, metrics)
     router = RouterApp(
         model_name=config.model.name,
         max_model_len=config.model.max_model_len,

@@ -87,12 +87,9 @@ def test_prefill_queue_window_forgets_old_rates():
 
 
 class FakePool:
-    def __init__(self, route):
-        self._route = route
-        self.handles = ()
+    """Admission reads the pool's workers only (none here); the route comes from the dispatcher."""
 
-    def route(self, num_tokens, threshold_tokens, exclude=frozenset()):
-        return self._route
+    handles = ()
 
     def views(self):
         return ()
@@ -101,12 +98,12 @@ class FakePool:
 LOCAL = Route("local", "d0")
 
 
-def control(scheduler, route: Route | None = LOCAL):
+def control(scheduler):
     config = parse_config({"workers": [{"name": "d0", "port": 50071}],
                            "scheduler": {"admission_control": True, **scheduler}})
     metrics = RouterMetrics()
     queues = PrefillQueues(config.scheduler.prefill_tokens_per_s, metrics, clock=lambda: 0.0)
-    return AdmissionControl(config, FakePool(route), queues, lambda: 1024, metrics), metrics
+    return AdmissionControl(config, FakePool(), queues, metrics), metrics
 
 
 QOS = {"qos_classes": [{"name": "gold", "priority": 10, "reserved_fraction": 0.5, "api_keys": ["k-gold"]},
@@ -147,12 +144,12 @@ def test_without_classes_there_is_one_default_class():
 def test_admitted_counts_in_flight_and_rejects_with_retry_after():
     admission, metrics = control({**QOS, "retry_after_s": 2})
     gold, free = admission.qos_class("gold", None), admission.qos_class("free", None)
-    with admission.admitted("r1", free, 10):
+    with admission.admitted("r1", free, LOCAL, 10):
         with pytest.raises(ApiError) as excinfo:
-            with admission.admitted("r2", free, 10):
+            with admission.admitted("r2", free, LOCAL, 10):
                 pass
         assert excinfo.value.status == 429 and excinfo.value.headers == {"Retry-After": "2"}
-        with admission.admitted("r3", gold, 10):
+        with admission.admitted("r3", gold, LOCAL, 10):
             assert admission.num_in_flight == 2
     assert admission.num_in_flight == 0
     assert metrics.rejected.labels("capacity", "free")._value.get() == 1
@@ -160,9 +157,9 @@ def test_admitted_counts_in_flight_and_rejects_with_retry_after():
 
 
 def test_no_route_is_a_503_with_retry_after():
-    admission, metrics = control({"retry_after_s": 5}, route=None)
+    admission, metrics = control({"retry_after_s": 5})
     with pytest.raises(ApiError) as excinfo:
-        with admission.admitted("r1", admission.qos_class(None, None), 10):
+        with admission.admitted("r1", admission.qos_class(None, None), None, 10):
             pass
     assert excinfo.value.status == 503 and excinfo.value.headers == {"Retry-After": "5"}
     assert excinfo.value.body()["error"]["type"] == "service_unavailable"
@@ -173,10 +170,10 @@ def test_configured_prefill_rate_drives_ttft_rejection():
     admission, _ = control({"prefill_tokens_per_s": {"local": 100.0}, "max_in_flight_requests": 4,
                             "qos_classes": [{"name": "default", "ttft_slo_ms": 1000}]})
     qos = admission.qos_class(None, None)
-    with admission.admitted("r1", qos, 90):
+    with admission.admitted("r1", qos, LOCAL, 90):
         pass
     with pytest.raises(ApiError) as excinfo:
-        with admission.admitted("r2", qos, 150):
+        with admission.admitted("r2", qos, LOCAL, 150):
             pass
     assert excinfo.value.code == "ttft_slo" and excinfo.value.body()["error"]["type"] == "rate_limit_error"
 
@@ -184,7 +181,7 @@ def test_configured_prefill_rate_drives_ttft_rejection():
 def test_errors_raised_while_admitted_pass_through_and_release_the_slot():
     admission, _ = control({"max_in_flight_requests": 1})
     with pytest.raises(ApiError) as excinfo:
-        with admission.admitted("r1", admission.qos_class(None, None), 10):
+        with admission.admitted("r1", admission.qos_class(None, None), LOCAL, 10):
             raise ApiError(503, "worker failed", type="service_unavailable")
     assert excinfo.value.message == "worker failed"
     assert admission.num_in_flight == 0

@@ -7,7 +7,9 @@ import pytest
 
 from services.cache_pool.types import LookupResult
 from services.config import parse_config
+from services.engine.types import GenerateInput, Sampling
 from services.router.admission import AdmissionControl, PrefillQueues
+from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
@@ -192,16 +194,47 @@ def test_admission_rejects_on_predicted_decode_load():
 
     async def body(config, pool, metrics, clock):
         queues = PrefillQueues({}, metrics, clock=clock)
-        admission = AdmissionControl(config, pool, queues, lambda: 1024, metrics)
+        admission = AdmissionControl(config, pool, queues, metrics)
         qos = admission.qos_class(None, None)
-        with admission.admitted("ok", qos, 4000, 2000):
+        with admission.admitted("ok", qos, pool.route(4000, 1024), 4000, 2000):
             pass
         pool.handle("d").num_committed_tokens = 6000
         with pytest.raises(ApiError) as excinfo:
-            with admission.admitted("too-big", qos, 4000, 2000):
+            with admission.admitted("too-big", qos, pool.route(4000, 1024), 4000, 2000):
                 pass
         return excinfo.value, value(metrics, "prfaas_router_rejected_requests_total", reason="decode_load",
                                     qos_class="default")
     error, rejected = run_with_pool({"workers": WORKERS, "scheduler": scheduler}, body)
     assert (error.status, error.code, error.headers, rejected) == (429, "decode_load", {"Retry-After": "3"}, 1)
     assert error.body()["error"]["type"] == "rate_limit_error"
+
+
+def test_admission_judges_the_path_that_dispatch_will_serve():
+    """One routing decision per request: admission reads the prefill queue of the route the
+    dispatcher planned with the cache pools, not of a route of its own on the prompt's length."""
+    scheduler = {"admission_control": True, "offload_threshold_tokens": 1024,
+                 "prefill_tokens_per_s": {"prfaas": 100.0, "local": 1e6},
+                 "qos_classes": [{"name": "default", "ttft_slo_ms": 1000}]}
+
+    async def body(config, pool, metrics, clock):
+        queues = PrefillQueues(config.scheduler.prefill_tokens_per_s, metrics, clock=clock)
+        queues.enqueue("prfaas", 10_000)  # 100 s of PrfaaS prefill queued: that path breaks the SLO
+        placement = Placement(config, pool, metrics, FakeIndex({"local": 4096}), RecordingTransfers())
+        dispatcher = Dispatcher(pool, config.router, metrics, 1024, queues, placement)
+        admission = AdmissionControl(config, pool, queues, metrics)
+        qos = admission.qos_class(None, None)
+        request = GenerateInput("r1", list(range(5000)), Sampling(max_tokens=4))
+        plan = await dispatcher.plan(request)
+        length_only = pool.route(5000, 1024)
+        with admission.admitted("r1", qos, plan.route, 5000, 4):
+            pass
+        with pytest.raises(ApiError) as excinfo:
+            with admission.admitted("r2", qos, length_only, 5000, 4):
+                pass
+        return length_only.path, plan.route.path, excinfo.value.code, \
+            value(metrics, "prfaas_scheduler_decisions_total", path="local")
+    length_only, planned, code, decisions = run_with_pool({"workers": WORKERS, "cache_pools": POOLS,
+                                                           "scheduler": scheduler}, body)
+    # The prompt's length alone says PrfaaS, whose queue would reject it; 4,096 of its tokens are
+    # cached locally, so the dispatcher serves it locally, and that is the path admission judged.
+    assert (length_only, planned, code, decisions) == ("prfaas", "local", "ttft_slo", 1)

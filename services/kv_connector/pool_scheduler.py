@@ -146,6 +146,8 @@ class PoolPlanner:
 
 
 def merge_block_ids(block_ids: list[list[int]], new_block_ids, resumed: bool) -> None:
+    """A step's new block ids per KV-cache group, added to a request's (replacing them when vLLM
+    resumed the request after preemption). Used by both scheduler halves of the connector."""
     if new_block_ids is None:
         return
     if resumed:

@@ -15,7 +15,7 @@ from typing import Any
 
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.params import TransferParams
-from services.kv_connector.pool_scheduler import PoolPlanner
+from services.kv_connector.pool_scheduler import PoolPlanner, merge_block_ids
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PrfaasConnectorScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if producing := self._producing.get(req_id):
-                _merge_blocks(producing, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
+                merge_block_ids(producing.block_ids, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
                 self._emit(meta, req_id, producing, cached.num_computed_tokens[i], scheduled[req_id])
         if self._pool is not None:
             self._pool.add_to_meta(meta, scheduler_output)
@@ -124,16 +124,6 @@ class PrfaasConnectorScheduler:
         block_ids = tuple(tuple(ids) for ids in producing.block_ids)
         meta.sends.append(SendSpec(req_id, producing.params.transfer_id, producing.params.peer, block_ids,
                                    start, end, producing.num_tokens))
-
-
-def _merge_blocks(producing: _Producing, new_block_ids, resumed: bool) -> None:
-    if new_block_ids is None:
-        return
-    if resumed:
-        producing.block_ids = [list(ids) for ids in new_block_ids]
-        return
-    for group, ids in enumerate(new_block_ids):
-        producing.block_ids[group].extend(ids)
 
 
 def _consumes(params: TransferParams | None) -> bool:

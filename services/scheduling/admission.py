@@ -17,7 +17,6 @@ from typing import Literal
 from services.scheduling.decode_load import DecodeLoad, decode_overload
 
 RejectReason = Literal["no_worker", "capacity", "ttft_slo", "decode_load"]
-REJECT_REASONS: tuple[RejectReason, ...] = ("no_worker", "capacity", "ttft_slo", "decode_load")
 MAX_RETRY_AFTER_S = 60
 
 

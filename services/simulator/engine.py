@@ -28,13 +28,13 @@ from collections import deque
 
 from services.scheduling.congestion import CongestionAwareThreshold, LinkSample
 from services.scheduling.routing import choose_prefill_site
+from services.scheduling.threshold import GBPS
 from services.simulator.arrivals import make_arrivals
 from services.simulator.bandwidth import bandwidth_at
 from services.simulator.results import SimResult
 from services.simulator.setup import RunSpec
 
 PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH = range(5)
-GBPS = 1e9 / 8
 INF = float("inf")
 PROGRESS_EVERY = 100_000
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.engine.types import EngineStats, GenerateInput, KvTransfer, Sampling, TokenDelta
+from services.engine.types import EngineStats, GenerateInput, KvTransfer, LinkStats, Sampling, TokenDelta, WorkerStats
 
 POOL_COUNTERS = ("pool_tokens_loaded", "pool_tokens_stored", "pool_loads_failed", "pool_stores_failed")
 
@@ -101,3 +101,29 @@ def _transport_fields(snapshot: dict) -> dict:
             "kv_frames_rejected": snapshot.get("frames_rejected", 0),
             "kv_connections_refused": snapshot.get("connections_refused", 0),
             **{f"kv_{key}": snapshot.get(key, 0) for key in POOL_COUNTERS}}
+
+
+def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
+    """A worker's ``GetStats`` answer as the router keeps it."""
+    links = tuple(LinkStats(link.peer, link.connections, link.bytes_sent, link.transfers_sent, link.transfers_failed,
+                            link.goodput_bps, link.retransmits, link.rtt_ms, link.cwnd_segments,
+                            link.delivery_rate_bps) for link in msg.kv_links)
+    return WorkerStats(
+        worker_name=msg.worker_name, service=msg.service, role=msg.role, model=msg.model,
+        max_model_len=msg.max_model_len, num_running_requests=msg.num_running_requests,
+        num_waiting_requests=msg.num_waiting_requests, kv_cache_usage=msg.kv_cache_usage,
+        num_finished_requests=msg.num_finished_requests, num_active_requests=msg.num_active_requests,
+        kv_links=links, kv_bytes_received=msg.kv_bytes_received, kv_frames_rejected=msg.kv_frames_rejected,
+        kv_connections_refused=msg.kv_connections_refused, kv_pool_tokens_loaded=msg.kv_pool_tokens_loaded,
+        kv_pool_tokens_stored=msg.kv_pool_tokens_stored, kv_pool_loads_failed=msg.kv_pool_loads_failed,
+        kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected))
+
+
+def prefill_request_to_proto(request: GenerateInput, kv_target: str) -> pb.PrefillRequest:
+    """The PrfaaS prefill of ``request``, streaming its KV to ``kv_target`` under the request's id."""
+    return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                             kv_target=kv_target, transfer_id=request.request_id)
+
+
+def stats_request() -> pb.StatsRequest:
+    return pb.StatsRequest()

@@ -1,7 +1,8 @@
 """Plain domain types that cross the worker's gRPC conversion layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +54,44 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_finished_requests: int = 0
     kv_transport: dict | None = None  # the connector's latest ``KVTransport.snapshot()``
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    """Congestion telemetry of one KV link a worker sends on (sums over its TCP connections)."""
+
+    peer: str
+    connections: int = 0
+    bytes_sent: int = 0
+    transfers_sent: int = 0
+    transfers_failed: int = 0
+    goodput_bps: float = 0.0  # of the last completed transfer
+    retransmits: int = 0
+    rtt_ms: float = 0.0
+    cwnd_segments: int = 0
+    delivery_rate_bps: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One ``GetStats`` answer as the router keeps it (converted once, where it polls)."""
+
+    worker_name: str = ""
+    service: str = ""
+    role: str = ""
+    model: str = ""
+    max_model_len: int = 0
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
+    num_finished_requests: int = 0
+    num_active_requests: int = 0
+    kv_links: tuple[LinkStats, ...] = ()
+    kv_bytes_received: int = 0
+    kv_frames_rejected: int = 0
+    kv_connections_refused: int = 0
+    kv_pool_tokens_loaded: int = 0
+    kv_pool_tokens_stored: int = 0
+    kv_pool_loads_failed: int = 0
+    kv_pool_stores_failed: int = 0
+    grpc_rejected: Mapping[str, int] = field(default_factory=dict)

@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from prfaas.v1 import worker_pb2 as pb
 
 from services.config import RouterConfig
 from services.engine import convert
@@ -153,9 +152,7 @@ class Dispatcher:
         consume = dataclasses.replace(request, kv_transfer=KvTransfer("consume", request.request_id))
         call = decode.decode.Generate(convert.generate_input_to_proto(consume), timeout=self._config.request_timeout_s)
         prefill_call = prefill.prefill.Prefill(
-            pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                              kv_target=decode.kv_address, transfer_id=request.request_id),
-            timeout=self._config.request_timeout_s)
+            convert.prefill_request_to_proto(request, decode.kv_address), timeout=self._config.request_timeout_s)
         prefill_task = asyncio.ensure_future(prefill_call)
         prefill.num_in_flight += 1
         prefill_task.add_done_callback(lambda task: self._prefill_done(task, request.request_id, prefill))

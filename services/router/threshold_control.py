@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prfaas.v1 import worker_pb2 as pb
-
 from services.config import DeploymentConfig
+from services.engine.types import WorkerStats
 from services.router.admission import PrefillQueues
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
@@ -60,7 +59,7 @@ class LinkSignals:
         self._readings: dict[str, _Reading] = {}
         self._min_rtt_ms: dict[tuple[str, str], float] = {}
 
-    def sample(self, now_s: float, workers: list[tuple[str, bool, pb.WorkerStats]]) -> LinkSample:
+    def sample(self, now_s: float, workers: list[tuple[str, bool, WorkerStats]]) -> LinkSample:
         num_bytes = num_retransmits = num_queued = num_usable = 0
         egress_bps = rtt_increase = 0.0
         for name, healthy, stats in workers:
@@ -85,7 +84,7 @@ class LinkSignals:
             num_usable_workers=num_usable,
         )
 
-    def _read(self, worker: str, now_s: float, totals: _Totals, stats: pb.WorkerStats) -> _Reading:
+    def _read(self, worker: str, now_s: float, totals: _Totals, stats: WorkerStats) -> _Reading:
         last = self._readings.get(worker)
         if last is not None and totals == last.totals:
             return last
@@ -98,7 +97,7 @@ class LinkSignals:
         self._readings[worker] = reading
         return reading
 
-    def _rtt_increase(self, worker: str, stats: pb.WorkerStats) -> float:
+    def _rtt_increase(self, worker: str, stats: WorkerStats) -> float:
         increase = 0.0
         for link in stats.kv_links:
             if link.rtt_ms <= 0:
@@ -179,7 +178,7 @@ def controller_config(config: DeploymentConfig) -> CongestionControllerConfig:
     )
 
 
-def _totals(stats: pb.WorkerStats) -> _Totals:
+def _totals(stats: WorkerStats) -> _Totals:
     return _Totals(bytes_sent=sum(link.bytes_sent for link in stats.kv_links),
                    retransmits=sum(link.retransmits for link in stats.kv_links),
                    transfers_failed=sum(link.transfers_failed for link in stats.kv_links))

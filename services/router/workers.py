@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.config import RouterConfig, WorkerConfig
+from services.engine import convert
+from services.engine.types import WorkerStats
 from services.router.metrics import RouterMetrics
 from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.scheduling.backoff import Backoff, BackoffConfig
@@ -36,7 +37,7 @@ class WorkerHandle:
     healthy: bool = False
     num_in_flight: int = 0
     num_committed_tokens: int = 0
-    stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # the last GetStats answer, converted
 
     @property
     def name(self) -> str:
@@ -147,7 +148,8 @@ class WorkerPool:
         timeout = self._config.connect_timeout_s
         try:
             health = await handle.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            handle.stats = await handle.stats_stub.GetStats(pb.StatsRequest(), timeout=timeout)
+            handle.stats = convert.stats_from_proto(await handle.stats_stub.GetStats(convert.stats_request(),
+                                                                                     timeout=timeout))
             healthy = health.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             healthy = False

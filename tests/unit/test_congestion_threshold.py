@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from prfaas.v1 import worker_pb2 as pb
+from services.engine.types import LinkStats, WorkerStats
 
 from services.router.threshold_control import LinkSignals
 from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig, LinkSample
@@ -94,9 +94,9 @@ def test_bad_controller_config_is_refused(kwargs):
 
 
 def stats(bytes_sent=0, retransmits=0, failed=0, rtt_ms=1.0, waiting=0):
-    link = pb.KvLinkStats(peer="127.0.0.1:1", bytes_sent=bytes_sent, retransmits=retransmits,
-                          transfers_failed=failed, rtt_ms=rtt_ms)
-    return pb.WorkerStats(kv_links=[link], num_waiting_requests=waiting)
+    link = LinkStats(peer="127.0.0.1:1", bytes_sent=bytes_sent, retransmits=retransmits,
+                     transfers_failed=failed, rtt_ms=rtt_ms)
+    return WorkerStats(kv_links=(link,), num_waiting_requests=waiting)
 
 
 def test_link_signals_difference_successive_stats():

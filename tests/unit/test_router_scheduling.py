@@ -7,7 +7,7 @@ import pytest
 
 from services.cache_pool.types import LookupResult
 from services.config import parse_config
-from services.engine.types import GenerateInput, Sampling
+from services.engine.types import GenerateInput, Sampling, WorkerStats
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
@@ -143,7 +143,7 @@ FLIPS = {"enabled": True, "min_dwell_s": 100, "sustain_s": 5, "max_drain_s": 60}
 def test_role_control_drains_then_flips_a_decode_worker_to_prefill():
     async def body(config, pool, metrics, clock):
         control = RoleControl(config, pool, metrics, clock=clock)
-        pool.handle("pd-p").stats.num_waiting_requests = 10
+        pool.handle("pd-p").stats = WorkerStats(num_waiting_requests=10)
         pool.handle("pd-d1").num_in_flight = 1
         pool.handle("pd-d2").num_in_flight = 2
         control.on_poll()
@@ -167,7 +167,7 @@ def test_role_control_drains_then_flips_a_decode_worker_to_prefill():
 def test_role_flip_metrics():
     async def body(config, pool, metrics, clock):
         control = RoleControl(config, pool, metrics, clock=clock)
-        pool.handle("pd-p").stats.num_waiting_requests = 10
+        pool.handle("pd-p").stats = WorkerStats(num_waiting_requests=10)
         for now in (0.0, 5.0, 6.0):
             clock.now = now
             control.on_poll()

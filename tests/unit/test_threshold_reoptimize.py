@@ -3,7 +3,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from prfaas.v1 import worker_pb2 as pb
+from services.engine.types import LinkStats, WorkerStats
 
 from services.config import parse_config
 from services.router.admission import PrefillQueues
@@ -34,7 +34,7 @@ def deployment(**scheduler):
 
 
 def prfaas_stats(bytes_sent):
-    return pb.WorkerStats(kv_links=[pb.KvLinkStats(peer="127.0.0.1:3", bytes_sent=bytes_sent, rtt_ms=1.0)])
+    return WorkerStats(kv_links=(LinkStats(peer="127.0.0.1:3", bytes_sent=bytes_sent, rtt_ms=1.0),))
 
 
 class Rig:

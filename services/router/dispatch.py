@@ -22,6 +22,7 @@ from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
 from services.router.policy import PromptCache, Route
 from services.router.workers import WorkerHandle, WorkerPool
+from services.scheduling.congestion import FixedThreshold, OffloadThreshold
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,21 @@ class Plan:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics,
-                 threshold_tokens: float, queues: PrefillQueues | None = None,
+                 threshold: OffloadThreshold | float, queues: PrefillQueues | None = None,
                  placement: Placement | None = None) -> None:
-        """Without ``placement`` nothing is known to be cached: prompts route on their full length."""
+        """``threshold``: the offload threshold's owner (a number: fixed there). Without
+        ``placement`` nothing is known to be cached: prompts route on their full length."""
         self._pool = pool
         self._config = config
         self._metrics = metrics
         self._queues = queues
         self._placement = placement
-        self.threshold_tokens = threshold_tokens
+        self._threshold = FixedThreshold(threshold) if isinstance(threshold, (int, float)) else threshold
         self.on_request: list[Callable[[int], None]] = []
+
+    @property
+    def threshold_tokens(self) -> float:
+        return self._threshold.threshold_tokens
 
     async def plan(self, request: GenerateInput) -> Plan:
         """What is cached of the prompt and where the request goes (None: no worker can take it)."""

@@ -21,6 +21,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policy import PromptCache, Route
 from services.router.workers import WorkerPool
 from services.scheduling.affinity import PrefixAffinity
+from services.scheduling.congestion import FixedThreshold, OffloadThreshold
 from services.scheduling.offload import CacheTransfer, bandwidth_scarce
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,12 @@ class CacheTransferIssuer(Protocol):
 
 class Placement:
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
-                 index: GlobalCacheIndex | None = None, transfers: CacheTransferIssuer | None = None) -> None:
+                 index: GlobalCacheIndex | None = None, transfers: CacheTransferIssuer | None = None,
+                 threshold: OffloadThreshold | None = None) -> None:
+        """``threshold``: the offload threshold's owner (the router's controller), whose base tells
+        scarce bandwidth from abundant; a fixed one at ``scheduler.offload_threshold_tokens`` if None."""
         scheduler = config.scheduler
-        self.base_threshold_tokens = scheduler.offload_threshold_tokens
+        self._threshold = threshold or FixedThreshold(scheduler.offload_threshold_tokens)
         self.block_size = scheduler.cache_block_size
         self._model_key = scheduler.cache_model_key or config.model.name
         self._groups = tuple(KvCacheGroup(i, GroupKind(kind)) for i, kind in enumerate(scheduler.cache_kv_groups))
@@ -85,7 +89,7 @@ class Placement:
 
     def route(self, request_id: str, cache: PromptCache, block_hashes: Sequence[bytes], threshold_tokens: float,
               exclude: frozenset[str] = frozenset()) -> Route | None:
-        scarce = bandwidth_scarce(threshold_tokens, self.base_threshold_tokens)
+        scarce = bandwidth_scarce(threshold_tokens, self._threshold.base_tokens)
         route = self._pool.route(cache.num_prompt_tokens, threshold_tokens, exclude, cache=cache, scarce=scarce)
         if route is None:
             return None

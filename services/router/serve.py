@@ -20,6 +20,7 @@ from services.router.threshold_control import ThresholdControl
 from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
 from services.scheduling.backoff import BackoffConfig
+from services.scheduling.congestion import FixedThreshold
 from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,14 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     queues = PrefillQueues(scheduler.prefill_tokens_per_s, metrics)
     index = GlobalCacheIndex.from_config(config, scheduler.cache_lookup_timeout_ms / 1000) \
         if config.cache_pools else None
-    placement = Placement(config, pool, metrics, index)
-    dispatcher = Dispatcher(pool, config.router, metrics, scheduler.offload_threshold_tokens, queues, placement)
-    _start_threshold_control(config, pool, dispatcher, metrics, queues, placement)
+    control = _threshold_control(config, pool, metrics, queues)
+    threshold = control.controller if control else FixedThreshold(scheduler.offload_threshold_tokens)
+    placement = Placement(config, pool, metrics, index, threshold=threshold)
+    dispatcher = Dispatcher(pool, config.router, metrics, threshold, queues, placement)
+    if control is not None:
+        pool.on_poll.append(control.on_poll)
+        if control.reoptimizer is not None:
+            dispatcher.on_request.append(control.reoptimizer.record_request)
     if scheduler.role_flips.enabled:
         pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity).on_poll)
     admission = None
@@ -79,16 +85,15 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
             await index.close()
 
 
-def _start_threshold_control(config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher,
-                             metrics: RouterMetrics, queues: PrefillQueues, placement: Placement) -> None:
+def _threshold_control(config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
+                       queues: PrefillQueues) -> ThresholdControl | None:
+    """The owner of the adaptive threshold, or None when it stays at ``scheduler.offload_threshold_tokens``."""
     for gauge in (metrics.threshold, metrics.threshold_base, metrics.threshold_ceiling):
-        gauge.set(dispatcher.threshold_tokens)
+        gauge.set(config.scheduler.offload_threshold_tokens)
     has_prfaas = any(w.service == "prefill_worker" and w.cluster == "prfaas" for w in config.workers)
     if config.scheduler.adaptive_threshold and has_prfaas:
-        control = ThresholdControl(config, pool, dispatcher, metrics, queues=queues, placement=placement)
-        pool.on_poll.append(control.on_poll)
-        if control.reoptimizer is not None:
-            dispatcher.on_request.append(control.reoptimizer.record_request)
+        return ThresholdControl(config, pool, metrics, queues=queues)
+    return None
 
 
 async def _wait_for_signal() -> None:

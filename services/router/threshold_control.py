@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from services.config import DeploymentConfig
 from services.engine.types import WorkerStats
 from services.router.admission import PrefillQueues
-from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
-from services.router.placement import Placement
 from services.router.reoptimize import ThresholdReoptimizer
 from services.router.workers import WorkerHandle, WorkerPool
 from services.scheduling.congestion import (STATES, CongestionAwareThreshold, CongestionControllerConfig,
@@ -110,20 +108,18 @@ class LinkSignals:
 
 
 class ThresholdControl:
-    """Registered as a ``WorkerPool.on_poll`` callback; never blocks. With ``queues`` and a positive
-    ``scheduler.reoptimize_interval_s`` it also re-optimises the base and ceiling on that schedule
-    (:attr:`reoptimizer`, whose ``record_request`` the dispatcher calls per request). ``placement``:
-    told the current base, so a re-optimised base does not read as scarce bandwidth."""
+    """Registered as a ``WorkerPool.on_poll`` callback; never blocks. Owns the offload threshold:
+    :attr:`controller` is the one value the dispatcher routes with and placement reads the base of.
+    With ``queues`` and a positive ``scheduler.reoptimize_interval_s`` it also re-optimises the base
+    and ceiling on that schedule (:attr:`reoptimizer`, whose ``record_request`` the dispatcher calls
+    per request)."""
 
-    def __init__(self, config: DeploymentConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics,
-                 clock: Callable[[], float] = time.monotonic, queues: PrefillQueues | None = None,
-                 placement: Placement | None = None) -> None:
+    def __init__(self, config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic, queues: PrefillQueues | None = None) -> None:
         self.controller = CongestionAwareThreshold(controller_config(config))
         self._pool = pool
-        self._dispatcher = dispatcher
         self._metrics = metrics
         self._clock = clock
-        self._placement = placement
         self._signals = LinkSignals()
         self.reoptimizer = None
         if queues is not None and config.scheduler.reoptimize_interval_s > 0:
@@ -136,10 +132,8 @@ class ThresholdControl:
         workers = self._prfaas_workers()
         sample = self._signals.sample(now_s, [(h.name, h.healthy, h.stats) for h in workers])
         self.controller.observe(sample)
-        reoptimized = self.reoptimizer is not None and self.reoptimizer.on_poll(now_s, workers)
-        if reoptimized and self._placement is not None:
-            self._placement.base_threshold_tokens = self.controller.base_tokens
-        self._dispatcher.threshold_tokens = self.controller.threshold_tokens
+        if self.reoptimizer is not None:
+            self.reoptimizer.on_poll(now_s, workers)
         after = (self.controller.state, self.controller.threshold_tokens)
         if after != before:
             self._metrics.threshold_changes.inc()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from services.scheduling.threshold import OffloadModel
 
@@ -72,6 +72,24 @@ class LinkSample:
     capacity_gbps: float | None = None
     num_local_queued: int | None = None
     num_local_workers: int = 1
+
+
+class OffloadThreshold(Protocol):
+    """What the router reads of the offload threshold's owner: the value to route with and its base."""
+
+    @property
+    def threshold_tokens(self) -> float: ...
+
+    @property
+    def base_tokens(self) -> float: ...
+
+
+class FixedThreshold:
+    """The offload threshold when no controller moves it (``scheduler.adaptive_threshold`` off); read
+    like :class:`CongestionAwareThreshold`."""
+
+    def __init__(self, threshold_tokens: float) -> None:
+        self.threshold_tokens = self.base_tokens = threshold_tokens
 
 
 class CongestionAwareThreshold:

@@ -125,6 +125,7 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
     from services.config import parse_config
     from services.router.metrics import RouterMetrics
     from services.router.policy import WorkerView, choose_route
+    from services.router.dispatch import Dispatcher
     from services.router.threshold_control import ThresholdControl
 
     config = parse_config({"workers": [{"name": "p0", "service": "prefill_worker", "cluster": "prfaas", "port": 1},
@@ -132,10 +133,10 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
                            "scheduler": {"adaptive_threshold": True, "threshold_hold_s": 0}})
     prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=config.workers[0], stats=stats())
     pool = SimpleNamespace(handles=(prefill,))
-    dispatcher = SimpleNamespace(threshold_tokens=1024)
     clock = iter(range(100))
     metrics = RouterMetrics()
-    control = ThresholdControl(config, pool, dispatcher, metrics, clock=lambda: next(clock))
+    control = ThresholdControl(config, pool, metrics, clock=lambda: next(clock))
+    dispatcher = Dispatcher(pool, config.router, metrics, control.controller)  # reads the one owner
     control.on_poll()
     assert dispatcher.threshold_tokens == 1024
     prefill.healthy = False

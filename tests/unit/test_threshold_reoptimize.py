@@ -47,10 +47,9 @@ class Rig:
         self.queues = PrefillQueues({}, self.metrics, clock=self.clock)
         self.prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=self.config.workers[0],
                                        stats=prfaas_stats(0))
-        self.dispatcher = SimpleNamespace(threshold_tokens=64)
-        self.placement = SimpleNamespace(base_threshold_tokens=64)
-        self.control = ThresholdControl(self.config, SimpleNamespace(handles=(self.prefill,)), self.dispatcher,
-                                        self.metrics, clock=self.clock, queues=self.queues, placement=self.placement)
+        pool = SimpleNamespace(handles=(self.prefill,))
+        self.control = ThresholdControl(self.config, pool, self.metrics, clock=self.clock, queues=self.queues)
+        self.dispatcher = Dispatcher(pool, self.config.router, self.metrics, self.control.controller)
 
     def poll_at(self, now_s):
         self.clock.now_s = now_s
@@ -96,7 +95,6 @@ def test_reoptimises_on_schedule_from_the_measured_profiles(caplog):
     # The short timescale saw the link busy and had raised t: it stays, now within [base, ceiling].
     assert rig.dispatcher.threshold_tokens == controller.threshold_tokens
     assert controller.base_tokens <= controller.threshold_tokens <= controller.ceiling_tokens
-    assert rig.placement.base_threshold_tokens == controller.base_tokens
     assert value(rig.metrics.threshold_base) == controller.base_tokens
     assert value(rig.metrics.threshold_ceiling) == controller.ceiling_tokens
     assert value(rig.metrics.kv_bytes_per_token) == pytest.approx(KV_BYTES_PER_TOKEN)
@@ -128,8 +126,7 @@ def test_too_little_data_skips_and_retries_an_interval_later():
 def test_interval_zero_disables_and_no_queues_means_no_long_timescale(scheduler):
     rig = Rig(**scheduler)
     assert (rig.control.reoptimizer is None) == ("reoptimize_interval_s" in scheduler)
-    no_queues = ThresholdControl(rig.config, SimpleNamespace(handles=()), SimpleNamespace(threshold_tokens=64),
-                                 RouterMetrics(), clock=rig.clock)
+    no_queues = ThresholdControl(rig.config, SimpleNamespace(handles=()), RouterMetrics(), clock=rig.clock)
     assert no_queues.reoptimizer is None
 
 

@@ -2,7 +2,8 @@
 its ConfigMap is a config the services accept whose workers and cache pools are exactly the rendered
 pods."""
 import inspect
-from pathlib import PurePosixPath
+import re
+from pathlib import Path, PurePosixPath
 
 import jsonschema
 import kubernetes_validate
@@ -320,3 +321,46 @@ def test_termination_grace_covers_the_drain(deployment, role):
         else:
             drain_s = pool_drain_s if is_pool(workload) else worker_drain_s
         assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERFILES = [ROOT / "deploy/container/Containerfile", ROOT / "deploy/container/Containerfile.cuda"]
+
+
+def containerfile_facts(path: Path) -> dict:
+    text = path.read_text()
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
+    cache_dir = re.search(r"PRFAAS_CACHE_DIR=(\S+)", text)
+    return {"uid": int(user[1]), "gid": int(user[2]), "exposed": exposed, "cache_dir": cache_dir[1]}
+
+
+def test_the_image_build_tags_the_projects_version():
+    script = (ROOT / "scripts/build_image.sh").read_text()
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    assert re.search(r"^VERSION=(\S+)$", script, re.M)[1] == version
+    assert re.search(r"^IMAGE=\S*?(\w+)$", script, re.M)[1] == "prfaas"
+
+
+@pytest.mark.parametrize("deployment, role", ROLES)
+def test_pods_run_the_image_as_its_user_with_its_ports_and_cache_dir(deployment, role):
+    """The manifests and both Containerfiles agree: image name and tag, non-root user, no privilege
+    escalation, every container port exposed by the image, the model cache where the image keeps it."""
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    facts = [containerfile_facts(path) for path in CONTAINERFILES]
+    assert all(f == facts[0] for f in facts), facts
+    image = facts[0]
+    rendered = render(deployment, role)
+    for workload in rendered.of_kind("StatefulSet") + rendered.of_kind("Deployment"):
+        name = workload["metadata"]["name"]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == \
+            (image["uid"], image["gid"]), name
+        main = container(workload)
+        assert main["image"].rsplit(":", 1) == ["prfaas", version] or main["image"].endswith(f":{version}"), name
+        assert main["securityContext"]["allowPrivilegeEscalation"] is False, name
+        assert main["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+        assert set(container_ports(workload).values()) <= image["exposed"], name
+        cache = env_of(workload).get("PRFAAS_CACHE_DIR")
+        assert cache is None or cache["value"] == image["cache_dir"], name

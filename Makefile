@@ -11,11 +11,13 @@ up: setup
 test: setup
 	.venv/bin/python -m pytest -q
 
-# The code's shape and rules: import contracts (.importlinter), ruff, mypy where it is strict.
+# The code's shape and rules: import contracts (.importlinter), ruff, mypy where it is strict,
+# hadolint on the Containerfiles.
 lint: setup
 	.venv/bin/lint-imports --no-cache
 	.venv/bin/ruff check services tests bench scripts
 	.venv/bin/mypy services/scheduling
+	.venv/bin/hadolint deploy/container/Containerfile deploy/container/Containerfile.cuda
 
 # Generated documentation: the configuration reference and the architecture's layer diagram.
 docs: setup

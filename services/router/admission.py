@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from services.config import DeploymentConfig
 from services.router.errors import ApiError, bad_request, overloaded, unavailable
 from services.router.metrics import RouterMetrics
-from services.router.policy import Route
 from services.router.workers import WorkerPool
 from services.scheduling.admission import AdmissionSnapshot, PrefillQueue, QosClass, Rejection, admit
 from services.scheduling.decode_load import DecodeLoad
+from services.scheduling.placement import Route
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from services.router.admission import PrefillQueues
 from services.router.errors import ApiError, bad_request, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
-from services.router.policy import PromptCache, Route
 from services.router.workers import WorkerHandle, WorkerPool
 from services.scheduling.congestion import FixedThreshold, OffloadThreshold
+from services.scheduling.placement import PromptCache, Route
 
 logger = logging.getLogger(__name__)
 

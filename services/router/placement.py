@@ -18,11 +18,11 @@ from services.cache_pool.transfer import CrossClusterCopier
 from services.cache_pool.types import GroupKind, KvCacheGroup, LookupQuery
 from services.config import DeploymentConfig
 from services.router.metrics import RouterMetrics
-from services.router.policy import PromptCache, Route
 from services.router.workers import WorkerPool
 from services.scheduling.affinity import PrefixAffinity
 from services.scheduling.congestion import FixedThreshold, OffloadThreshold
 from services.scheduling.offload import CacheTransfer, bandwidth_scarce
+from services.scheduling.placement import PromptCache, Route
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from services.config import RouterConfig, WorkerConfig
 from services.engine import convert
 from services.engine.types import WorkerStats
 from services.router.metrics import RouterMetrics
-from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.scheduling.backoff import Backoff, BackoffConfig
+from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)

@@ -5,9 +5,15 @@ from services.config import parse_config
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.errors import ApiError
 from services.router.metrics import RouterMetrics
-from services.router.policy import Route
-from services.scheduling.admission import (AdmissionSnapshot, PrefillQueue, QosClass, admit, class_limit,
-                                          predicted_ttft_s)
+from services.scheduling.admission import (
+    AdmissionSnapshot,
+    PrefillQueue,
+    QosClass,
+    admit,
+    class_limit,
+    predicted_ttft_s,
+)
+from services.scheduling.placement import Route
 
 GOLD = QosClass("gold", priority=10, reserved_fraction=0.25, ttft_slo_s=2.0)
 SILVER = QosClass("silver", priority=5, reserved_fraction=0.25, ttft_slo_s=5.0)

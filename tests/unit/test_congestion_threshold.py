@@ -124,7 +124,7 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
 
     from services.config import parse_config
     from services.router.metrics import RouterMetrics
-    from services.router.policy import WorkerView, choose_route
+    from services.scheduling.placement import WorkerView, choose_route
     from services.router.dispatch import Dispatcher
     from services.router.threshold_control import ThresholdControl
 

@@ -1,7 +1,7 @@
 import pytest
 
-from services.router.policy import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.scheduling.offload import CacheTransfer
+from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 
 
 def view(name, healthy=True, generate=True, in_flight=0, active=0, running=0, waiting=0, kv=0.0):

@@ -36,15 +36,19 @@ class Engine:
         return self._llm.model_config.max_model_len
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
-        """Stream one request's output step by step. Closing the iterator aborts the request."""
+        """Stream one request's output step by step. Closing the iterator aborts the request. A
+        request vLLM refuses (its client errors) raises ``ValueError`` with vLLM's message."""
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        params = sampling_params(request.sampling, request.kv_transfer)
         self._active.add(request.request_id)
         try:
+            params = sampling_params(request.sampling, request.kv_transfer)
             async for output in self._llm.generate(prompt, params, request.request_id):
                 yield _delta(output)
+        except VLLMClientError as exc:
+            raise ValueError(str(exc)) from exc
         finally:
             self._active.discard(request.request_id)
 

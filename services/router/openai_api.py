@@ -140,7 +140,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
+        return (stop,) if stop else ()  # an empty stop string stops nothing (vLLM refuses it)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return tuple(s for s in stop if s)
     raise bad_request("'stop' must be a string or a list of strings", param="stop")

@@ -52,3 +52,28 @@ def test_auto_dtype_on_a_gpu_host_is_left_to_vllm(monkeypatch):
 
 def test_this_hosts_cpu_flags_are_read():
     assert "fpu" in args._cpu_flags() or not args._cpu_flags()  # /proc/cpuinfo of x86 lists fpu
+
+
+def test_a_request_vllm_refuses_is_a_value_error_the_servicers_answer_invalid_argument():
+    import asyncio
+
+    from vllm.exceptions import VLLMValidationError
+
+    from services.engine.engine import Engine
+    from services.engine.types import GenerateInput, Sampling
+
+    class Refusing:
+        async def generate(self, prompt, params, request_id):
+            raise VLLMValidationError("stop cannot contain an empty string.")
+            yield  # an async generator, as AsyncLLM.generate is
+
+    engine = Engine(engine_args=None)
+    engine._llm = Refusing()
+
+    async def run():
+        async for _ in engine.generate(GenerateInput("r1", [1, 2], Sampling(max_tokens=2))):
+            pass
+
+    with pytest.raises(ValueError, match="stop cannot contain an empty string"):
+        asyncio.run(run())
+    assert engine.stats().num_active_requests == 0

@@ -33,6 +33,10 @@ LONG, SHORT = 600, 48           # prompt tokens; the KV of a long one is ~14 MB 
 BASE_THRESHOLD = 400            # one raise (x2) keeps long prompts local
 OUTPUT_TOKENS = 4
 NUM_LONG_CLIENTS = 2
+# The short client's pause between requests: short ones are always local, and the offloaded share
+# is measured over all routing decisions, so they must not outnumber the long ones by much (a short
+# request takes ~0.3 s here, a long one 2-4 s; with a 0.5 s pause the nominal share was 0.18).
+SHORT_PAUSE_S = 2.0
 NOMINAL_MBIT, DEGRADED_MBIT = 1000, 30
 RTT_RISE_MS = 8.0               # the veth's RTT is ~1-4 ms; a full tbf queue adds 20 ms
 REQUEST_TIMEOUT_S = 90.0
@@ -114,7 +118,7 @@ class Load:
                 else:
                     self.lost.append(outcome)
             if length == SHORT:
-                self._stop.wait(0.5)
+                self._stop.wait(SHORT_PAUSE_S)
 
     def _request(self, length: int) -> str:
         with self._lock:

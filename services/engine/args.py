@@ -75,13 +75,17 @@ def resolve_dtype(dtype: str, model_path: str | Path) -> str:
     return "float32"
 
 
-def _has_linear_attention(model_path: Path) -> bool:
+def checkpoint_config(model_path: str | Path) -> dict:
+    """The checkpoint's ``config.json`` (its text model's part for multimodal ones); {} if unreadable."""
     try:
-        config = json.loads((model_path / "config.json").read_text())
+        config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    config = config.get("text_config", config)
-    return any("linear" in str(kind) for kind in config.get("layer_types") or ())
+        return {}
+    return config.get("text_config", config) if isinstance(config, dict) else {}
+
+
+def _has_linear_attention(model_path: Path) -> bool:
+    return any("linear" in str(kind) for kind in checkpoint_config(model_path).get("layer_types") or ())
 
 
 def _has_gpu() -> bool:

@@ -39,9 +39,10 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
-            self.worker = PrfaasConnectorWorker(self.settings.open_streams, self.settings.recv_idle_timeout_s,
+            transport = self.settings.transport_settings
+            self.worker = PrfaasConnectorWorker(self.settings.open_streams, transport.recv_idle_timeout_s,
                                                 self.settings.max_early_bytes, self.settings.layerwise,
-                                                self.settings.recv_first_frame_timeout_s)
+                                                transport.recv_first_frame_timeout_s)
             self.pool_worker = PoolWorker(*pool) if pool else None
         self._exported_pool_counters: dict[str, int] = {}
 

@@ -33,16 +33,10 @@ class ConnectorSettings:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @property
-    def recv_idle_timeout_s(self) -> float:
+    def transport_settings(self):
         from services.kv_transport import TransportSettings
 
-        return TransportSettings.of(self.transport).recv_idle_timeout_s
-
-    @property
-    def recv_first_frame_timeout_s(self) -> float:
-        from services.kv_transport import TransportSettings
-
-        return TransportSettings.of(self.transport).recv_first_frame_timeout_s
+        return TransportSettings.of(self.transport)
 
     def open_pool(self, kv_cache_config):
         """The pool's I/O bridge and this engine's pool keys; None when no pool is configured or the

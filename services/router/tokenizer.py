@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
+from services.engine.args import checkpoint_config
 from services.router.errors import bad_request
 from services.router.openai_api import ApiRequest
 
@@ -36,11 +36,7 @@ class PromptTokenizer:
 def _embedding_rows(model_path: Path) -> int | None:
     """The model's own vocabulary size (rows of its embedding table), which may exceed the
     tokenizer's: any id below it is a valid input to the engine."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    size = checkpoint_config(model_path).get("vocab_size")
     return int(size) if size else None
 
 

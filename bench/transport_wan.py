@@ -34,7 +34,7 @@ def stream(receiver, tx: KVTransport, peer: str, connections: int, layer_bytes: 
     tx.finish(peer, transfer_id)
     gbps = NUM_LAYERS * layer_bytes * 8 / (wait_transfer(receiver, transfer_id) - start) / 1e9
     if round_id >= 0:
-        retransmits = tx.snapshot()["peers"][0]["retransmits"]
+        retransmits = tx.snapshot().peers[0].retransmits
         print(f"  {connections} connection(s), round {round_id + 1}: {gbps:.3f} Gbit/s, "
               f"{retransmits} retransmits so far", file=sys.stderr)
     return gbps

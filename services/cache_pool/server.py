@@ -132,7 +132,7 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
 
     @property
     def kv_bytes_received(self) -> int:
-        return self._inbox.transport.snapshot()["bytes_received"] if self._inbox is not None else 0
+        return self._inbox.transport.snapshot().bytes_received if self._inbox is not None else 0
 
     @property
     def kv_port(self) -> int | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from prfaas.v1 import worker_pb2 as pb
 
 from services.engine.types import EngineStats, GenerateInput, KvTransfer, LinkStats, Sampling, TokenDelta, WorkerStats
-
-POOL_COUNTERS = ("pool_tokens_loaded", "pool_tokens_stored", "pool_loads_failed", "pool_stores_failed")
+from services.kv_connector.snapshot import ConnectorSnapshot
+from services.kv_transport import PeerSnapshot
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
@@ -79,28 +79,32 @@ def delta_from_proto(msg: pb.GenerateResponse) -> TokenDelta:
     )
 
 
-def stats_to_proto(stats: EngineStats, **identity) -> pb.WorkerStats:
+def stats_to_proto(stats: EngineStats, **identity: object) -> pb.WorkerStats:
+    connector = stats.kv_connector or ConnectorSnapshot()
+    transport, pool = connector.transport, connector.pool
     return pb.WorkerStats(
         num_active_requests=stats.num_active_requests,
         num_running_requests=stats.num_running_requests,
         num_waiting_requests=stats.num_waiting_requests,
         kv_cache_usage=stats.kv_cache_usage,
         num_finished_requests=stats.num_finished_requests,
-        **_transport_fields(stats.kv_transport or {}),
+        kv_links=[_link_to_proto(peer) for peer in transport.peers],
+        kv_bytes_received=transport.bytes_received,
+        kv_frames_rejected=transport.frames_rejected,
+        kv_connections_refused=transport.connections_refused,
+        kv_pool_tokens_loaded=pool.tokens_loaded,
+        kv_pool_tokens_stored=pool.tokens_stored,
+        kv_pool_loads_failed=pool.loads_failed,
+        kv_pool_stores_failed=pool.stores_failed,
         **identity,
     )
 
 
-def _transport_fields(snapshot: dict) -> dict:
-    links = [pb.KvLinkStats(peer=p["peer"], connections=p["connections"], bytes_sent=p["bytes_sent"],
-                            transfers_sent=p["transfers_sent"], transfers_failed=p["transfers_failed"],
-                            goodput_bps=p["goodput_bps"], retransmits=p["retransmits"], rtt_ms=p["rtt_us"] / 1000,
-                            cwnd_segments=p["cwnd_segments"], delivery_rate_bps=p["delivery_rate_bps"])
-             for p in snapshot.get("peers", ())]
-    return {"kv_links": links, "kv_bytes_received": snapshot.get("bytes_received", 0),
-            "kv_frames_rejected": snapshot.get("frames_rejected", 0),
-            "kv_connections_refused": snapshot.get("connections_refused", 0),
-            **{f"kv_{key}": snapshot.get(key, 0) for key in POOL_COUNTERS}}
+def _link_to_proto(peer: PeerSnapshot) -> pb.KvLinkStats:
+    return pb.KvLinkStats(peer=peer.peer, connections=peer.connections, bytes_sent=peer.bytes_sent,
+                          transfers_sent=peer.transfers_sent, transfers_failed=peer.transfers_failed,
+                          goodput_bps=peer.goodput_bps, retransmits=peer.retransmits, rtt_ms=peer.rtt_us / 1000,
+                          cwnd_segments=peer.cwnd_segments, delivery_rate_bps=peer.delivery_rate_bps)
 
 
 def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:

@@ -67,6 +67,8 @@ class Engine:
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
 
+        from services.kv_connector.snapshot import ConnectorSnapshot
+
         stats = self._stats
 
         class _Recorder(StatLoggerBase):
@@ -79,7 +81,7 @@ class Engine:
                     stats.num_waiting_requests = scheduler_stats.num_waiting_reqs
                     stats.kv_cache_usage = scheduler_stats.kv_cache_usage
                     if scheduler_stats.kv_connector_stats:
-                        stats.kv_transport = scheduler_stats.kv_connector_stats
+                        stats.kv_connector = ConnectorSnapshot.from_dict(scheduler_stats.kv_connector_stats)
                 if iteration_stats is not None:
                     stats.num_finished_requests += len(iteration_stats.finished_requests)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.kv_connector.snapshot import ConnectorSnapshot
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
@@ -53,7 +55,7 @@ class EngineStats:
     num_waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     num_finished_requests: int = 0
-    kv_transport: dict | None = None  # the connector's latest ``KVTransport.snapshot()``
+    kv_connector: ConnectorSnapshot | None = None  # the connector's latest report
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ from services.kv_connector.pool_scheduler import PoolPlanner
 from services.kv_connector.pool_worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
-from services.kv_connector.stats import TransportStats
+from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
+from services.kv_connector.stats import ConnectorStats
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
 from services.logs import setup_package_logging
 
@@ -44,7 +45,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                                                 self.settings.max_early_bytes, self.settings.layerwise,
                                                 transport.recv_first_frame_timeout_s)
             self.pool_worker = PoolWorker(*pool) if pool else None
-        self._exported_pool_counters: dict[str, int] = {}
+        self._exported_pool_counters = PoolCounters()
 
     # Scheduler side (engine-core process) ------------------------------------------------------
 
@@ -116,22 +117,20 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
 
-    def get_kv_connector_stats(self) -> TransportStats | None:
+    def get_kv_connector_stats(self) -> ConnectorStats | None:
         """Transport telemetry once per interval; at once when the pool counters changed."""
         if self.worker is None:
             return None
-        if self.pool_worker is None:
-            return self.worker.transport_stats()
-        counters = self.pool_worker.counters()
-        stats = self.worker.transport_stats(force=counters != self._exported_pool_counters)
-        if stats is not None:
-            stats.data.update(counters)
-            self._exported_pool_counters = counters
-        return stats
+        counters = self.pool_worker.counters() if self.pool_worker is not None else PoolCounters()
+        transport = self.worker.transport_snapshot(force=counters != self._exported_pool_counters)
+        if transport is None:
+            return None
+        self._exported_pool_counters = counters
+        return ConnectorStats.of(ConnectorSnapshot(transport, counters))
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransportStats:
-        return TransportStats(data=dict(data or {}))
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
+        return ConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self.worker is not None:

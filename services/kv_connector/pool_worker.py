@@ -21,6 +21,7 @@ from services.cache_pool.types import Block
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel
+from services.kv_connector.snapshot import PoolCounters
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,9 @@ class PoolWorker:
                              spec.num_blocks * self.model.block_size)
         return finished, failed
 
-    def counters(self) -> dict[str, int]:
-        return {"pool_tokens_loaded": self.num_tokens_loaded, "pool_tokens_stored": self.num_tokens_stored,
-                "pool_loads_failed": self.num_loads_failed, "pool_stores_failed": self.num_stores_failed}
+    def counters(self) -> PoolCounters:
+        return PoolCounters(tokens_loaded=self.num_tokens_loaded, tokens_stored=self.num_tokens_stored,
+                            loads_failed=self.num_loads_failed, stores_failed=self.num_stores_failed)
 
     def _refs(self, spec: PoolLoadSpec) -> list[tuple[int, bytes]]:
         refs = [(group, spec.block_hashes[i]) for i in range(spec.first_block, len(spec.block_hashes))

@@ -16,8 +16,8 @@ import torch
 
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.stats import INTERVAL_S, TransportStats
-from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed
+from services.kv_connector.stats import INTERVAL_S
+from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -245,13 +245,13 @@ class PrfaasConnectorWorker:
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
 
-    def transport_stats(self, force: bool = False) -> TransportStats | None:
-        """A telemetry snapshot, at most once per ``INTERVAL_S`` unless forced (called after every forward)."""
+    def transport_snapshot(self, force: bool = False) -> TransportSnapshot | None:
+        """The transport's telemetry, at most once per ``INTERVAL_S`` unless forced (called after every forward)."""
         now = time.monotonic()
         if self.streams is None or (now < self._next_stats and not force):
             return None
         self._next_stats = now + INTERVAL_S
-        return TransportStats(data=self.streams.snapshot())
+        return self.streams.snapshot()
 
     @property
     def num_receiving(self) -> int:

@@ -4,6 +4,8 @@
 """
 from services.kv_transport.protocol import PROTOCOL_VERSION
 from services.kv_transport.settings import TransportSettings
+from services.kv_transport.telemetry import PeerSnapshot, TransportSnapshot
 from services.kv_transport.transport import Frame, KVTransport, TransferDone, TransferFailed
 
-__all__ = ["PROTOCOL_VERSION", "Frame", "KVTransport", "TransferDone", "TransferFailed", "TransportSettings"]
+__all__ = ["PROTOCOL_VERSION", "Frame", "KVTransport", "PeerSnapshot", "TransferDone", "TransferFailed",
+           "TransportSettings", "TransportSnapshot"]

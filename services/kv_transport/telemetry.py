@@ -1,7 +1,10 @@
 """Congestion telemetry: Linux ``TCP_INFO`` per connection, bytes and goodput per peer.
 
 Sending connections sample ``TCP_INFO`` every ``telemetry_interval_s``; ``PeerTelemetry.snapshot``
-sums or averages over a peer's connections. Snapshots are plain dicts so they cross processes.
+sums or averages over a peer's connections into a :class:`PeerSnapshot`; ``KVTransport.snapshot``
+gathers them, with the receiving counters, into a :class:`TransportSnapshot`. Both are frozen
+dataclasses of plain fields; ``TransportSnapshot.as_dict``/``from_dict`` carry one across vLLM's
+connector-stats channel, which only takes plain dicts.
 
 A connection's smoothed RTT only moves when ACKs arrive, and it is sampled only while it sends: an
 idle connection's last sample keeps the RTT of the link as it was (a full queue on a squeezed link,
@@ -14,7 +17,9 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 _TCP_INFO_LEN = 232
 RTT_FRESH_S = 2.0
@@ -39,6 +44,43 @@ def tcp_info(sock: socket.socket) -> dict[str, int] | None:
         if rate in info:
             info[rate] *= 8  # the kernel reports bytes per second
     return info
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSnapshot:
+    """One sender's link to one peer: cumulative counters and the latest ``TCP_INFO`` samples,
+    summed over its connections (``rtt_us``: the largest fresh RTT, 0 with none)."""
+
+    peer: str
+    connections: int = 0
+    bytes_sent: int = 0
+    frames_sent: int = 0
+    transfers_sent: int = 0
+    transfers_failed: int = 0
+    goodput_bps: float = 0.0  # of the last completed transfer
+    retransmits: int = 0
+    delivery_rate_bps: int = 0
+    rtt_us: int = 0
+    cwnd_segments: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSnapshot:
+    """A ``KVTransport``'s telemetry: each peer it sends to, and what its listener received."""
+
+    peers: tuple[PeerSnapshot, ...] = ()
+    bytes_received: int = 0
+    frames_rejected: int = 0
+    connections_refused: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TransportSnapshot:
+        return cls(peers=tuple(PeerSnapshot(**peer) for peer in data.get("peers", ())),
+                   bytes_received=data.get("bytes_received", 0), frames_rejected=data.get("frames_rejected", 0),
+                   connections_refused=data.get("connections_refused", 0))
 
 
 @dataclass(slots=True)
@@ -92,19 +134,19 @@ class PeerTelemetry:
             else:
                 self.transfers_failed += 1
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> PeerSnapshot:
         now = time.monotonic()
         with self._lock:
             infos = [c.info for c in self._connections.values() if c.info]
             fresh = [c.info for c in self._connections.values() if c.info and c.rtt_is_fresh(now)]
-            snapshot = {"peer": self.peer, "connections": len(self._connections), "bytes_sent": self.bytes_sent,
-                        "frames_sent": self.frames_sent, "transfers_sent": self.transfers_sent,
-                        "transfers_failed": self.transfers_failed, "goodput_bps": self._last_goodput_bps}
-        snapshot["retransmits"] = sum(i.get("total_retrans", 0) for i in infos)
-        snapshot["delivery_rate_bps"] = sum(i.get("delivery_rate_bps", 0) for i in infos)
-        snapshot["rtt_us"] = max((i.get("rtt_us", 0) for i in fresh), default=0)
-        snapshot["cwnd_segments"] = sum(i.get("snd_cwnd", 0) for i in infos)
-        return snapshot
+            return PeerSnapshot(
+                peer=self.peer, connections=len(self._connections), bytes_sent=self.bytes_sent,
+                frames_sent=self.frames_sent, transfers_sent=self.transfers_sent,
+                transfers_failed=self.transfers_failed, goodput_bps=self._last_goodput_bps,
+                retransmits=sum(i.get("total_retrans", 0) for i in infos),
+                delivery_rate_bps=sum(i.get("delivery_rate_bps", 0) for i in infos),
+                rtt_us=max((i.get("rtt_us", 0) for i in fresh), default=0),
+                cwnd_segments=sum(i.get("snd_cwnd", 0) for i in infos))
 
 
 class Clock:

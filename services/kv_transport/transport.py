@@ -15,6 +15,7 @@ from services.kv_transport.events import Frame, TransferDone, TransferFailed
 from services.kv_transport.receiver import Receiver
 from services.kv_transport.sender import PeerLink
 from services.kv_transport.settings import TransportSettings
+from services.kv_transport.telemetry import TransportSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +70,16 @@ class KVTransport:
         if self._receiver is not None:
             self._receiver.forget(transfer_id)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> TransportSnapshot:
         """Telemetry for metrics: per-peer sending figures and receiving counters."""
         with self._links_lock:
             links = list(self._links.values())
-        snapshot = {"peers": [link.telemetry.snapshot() for link in links]}
-        if self._receiver is not None:
-            snapshot.update(bytes_received=self._receiver.bytes_received,
-                            frames_rejected=self._receiver.frames_rejected,
-                            connections_refused=self._receiver.connections_refused)
-        return snapshot
+        peers = tuple(link.telemetry.snapshot() for link in links)
+        if self._receiver is None:
+            return TransportSnapshot(peers)
+        return TransportSnapshot(peers, bytes_received=self._receiver.bytes_received,
+                                 frames_rejected=self._receiver.frames_rejected,
+                                 connections_refused=self._receiver.connections_refused)
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -14,12 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 from support.cache_pool import BLOCK_SIZE, FULL, LINEAR, MODEL, hashes, payload, prompt, query
-from support.ports import free_port
+from support.ports import free_port, refused_address
 
 from services.cache_pool.client import CachePoolClient
 from services.cache_pool.index import GlobalCacheIndex
 from services.cache_pool.pool import CachePool
-from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.security import GrpcSecurity
 from services.cache_pool.shm import ShmStore, same_host_directory
 from services.cache_pool.types import Block
@@ -137,27 +136,23 @@ def _expect_error(code, call, request):
     assert error.value.code() == code, error.value.details()
 
 
-def test_global_index_answers_per_cluster_and_neutral_for_a_dead_pool():
+def test_global_index_answers_per_cluster_and_neutral_for_a_dead_pool(pool_server):
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
-    servers = {c: start_pool_server(p, PoolIdentity(f"pool-{c}", c), "127.0.0.1", 0) for c, p in pools.items()}
+    servers = {c: pool_server(p, f"pool-{c}", c) for c, p in pools.items()}
     prompt_hashes = hashes(prompt(6))
     for cluster, num_blocks in (("prfaas", 5), ("local", 2)):
         stored = prompt_hashes[:num_blocks]
         pools[cluster].put(MODEL, [_block(FULL.group_id, h) for h in stored] + [_block(LINEAR.group_id, stored[-1])])
-    addresses = {c: f"127.0.0.1:{s.port}" for c, s in servers.items()} | {"dead": f"127.0.0.1:{free_port()}"}
 
-    async def lookup():
+    async def lookup(addresses):
         index = GlobalCacheIndex(addresses, timeout_s=2.0)
         try:
             return await index.lookup(query(prompt_hashes))
         finally:
             await index.close()
 
-    try:
-        answers = asyncio.run(lookup())
-    finally:
-        for server in servers.values():
-            server.stop(0)
+    with refused_address() as dead:
+        answers = asyncio.run(lookup({c: f"127.0.0.1:{s.port}" for c, s in servers.items()} | {"dead": dead}))
     assert {c: a.num_usable_tokens for c, a in answers.items()} == {
         "prfaas": 5 * BLOCK_SIZE, "local": 2 * BLOCK_SIZE, "dead": 0}
 
@@ -286,8 +281,8 @@ def test_a_client_without_shared_memory_moves_block_bytes_over_the_kv_transport(
             got = await client.get(MODEL, [(b.group_id, b.block_hash) for b in blocks])
             assert [b.data for b in got] == [b.data for b in blocks]
             sender = client._kv.transport if kv_host else client._kv_sender
-            sent = sum(peer["bytes_sent"] for peer in sender.snapshot()["peers"])
-            received = client._kv.transport.snapshot()["bytes_received"] if client._kv is not None else None
+            sent = sum(peer.bytes_sent for peer in sender.snapshot().peers)
+            received = client._kv.transport.snapshot().bytes_received if client._kv is not None else None
             return sent, received
         finally:
             await client.close()

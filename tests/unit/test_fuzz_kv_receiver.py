@@ -72,10 +72,10 @@ FUZZ_IDS = st.text(alphabet="abcdef0123456789", min_size=1, max_size=12).map(lam
 @example(data=b"PFKV\x00\x09" + b"\x00" * 32)  # a protocol version from the future
 def test_random_handshakes_are_refused(live, data):
     rx, tx, peer = live
-    refused = rx.snapshot()["connections_refused"]
+    refused = rx.snapshot().connections_refused
     _send_raw(rx.port, data, handshake=False)
     _good_transfer(rx, tx, peer, f"good-{os.urandom(4).hex()}")
-    assert rx.snapshot()["connections_refused"] == refused + 1  # every connection that did not authenticate
+    assert rx.snapshot().connections_refused == refused + 1  # every connection that did not authenticate
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -102,15 +102,15 @@ def test_mutated_frames_after_a_good_handshake_never_deliver_wrong_bytes(live, t
 @given(size=st.integers((1 << 16) + 1, 1 << 40))
 def test_oversized_frames_are_refused_before_any_payload_is_staged(live, size):
     rx, tx, peer = live
-    rejected = rx.snapshot()["frames_rejected"]
+    rejected = rx.snapshot().frames_rejected
     header = bytearray(protocol.encode_header(protocol.DATA, "fuzz-big", 0, 0, 0, 1, 0, b"x"))
     fields = list(protocol.HEADER.unpack(bytes(header[:protocol.HEADER.size])))
     fields[-2] = size
     header[:protocol.HEADER.size] = protocol.HEADER.pack(*fields)
     _send_raw(rx.port, bytes(header) + b"x" * 1024, handshake=True)
     deadline = time.monotonic() + 5
-    while rx.snapshot()["frames_rejected"] == rejected and time.monotonic() < deadline:
+    while rx.snapshot().frames_rejected == rejected and time.monotonic() < deadline:
         rx.poll(0.05)
-    assert rx.snapshot()["frames_rejected"] > rejected
+    assert rx.snapshot().frames_rejected > rejected
     assert rx._receiver.staging.used == 0
     _good_transfer(rx, tx, peer, f"good-{os.urandom(4).hex()}")

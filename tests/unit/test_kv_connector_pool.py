@@ -15,7 +15,6 @@ import torch
 
 from services.cache_pool.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
-from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.cache_pool.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
 from services.kv_connector.layout import KVLayout
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
@@ -24,6 +23,7 @@ from services.kv_connector.pool_io import PoolIO, PoolModel
 from services.kv_connector.pool_scheduler import PoolPlanner
 from services.kv_connector.pool_worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
+from services.kv_connector.snapshot import PoolCounters
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -222,14 +222,14 @@ def test_stored_blocks_load_into_other_block_ids_byte_for_byte(io):
     source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
         "a", ((5,), (1, 2, 3)), tuple(enumerate(hashes)), hashes[2], 3 * BLOCK)]))
     source.store()
-    assert source.counters()["pool_tokens_stored"] == 3 * BLOCK
+    assert source.counters().tokens_stored == 3 * BLOCK
     target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11), (4, 8, 9, 10)), hashes, 1)]))
     assert target.finished_loads() == ({"b"}, set())
     src, dst = source.layout.caches, target.layout.caches
     assert torch.equal(dst["l1"][[8, 9]], src["l1"][[2, 3]]) and torch.equal(dst["l2"][:, [8, 9]], src["l2"][:, [2, 3]])
     assert torch.equal(dst["l0"][11], src["l0"][5])
     assert not dst["l1"][4].any(), "block 0 was the engine's own: not loaded"
-    assert target.counters()["pool_tokens_loaded"] == 2 * BLOCK
+    assert target.counters().tokens_loaded == 2 * BLOCK
 
 
 @pytest.mark.parametrize("problem", ["missing", "wrong_size", "rpc_error"])
@@ -242,7 +242,7 @@ def test_a_failed_load_is_finished_and_failed(io, problem):
     worker = _worker(io, fill=False)
     worker.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
     assert worker.finished_loads() == ({"b"}, {"b"})
-    assert worker.counters()["pool_loads_failed"] == 1 and worker.counters()["pool_tokens_loaded"] == 0
+    assert worker.counters().loads_failed == 1 and worker.counters().tokens_loaded == 0
     assert not worker.layout.caches["l1"].any()
 
 
@@ -266,14 +266,13 @@ def test_a_failed_store_is_counted_and_nothing_else(io):
     worker.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec("a", ((5,), (1,)), ((0, hashes[0]),),
                                                                           None, BLOCK)]))
     worker.store()
-    assert worker.counters() == {"pool_tokens_loaded": 0, "pool_tokens_stored": 0, "pool_loads_failed": 0,
-                                 "pool_stores_failed": 1}
+    assert worker.counters() == PoolCounters(stores_failed=1)
 
 
 # PoolIO against a real pool server ------------------------------------------------------------
 
-def test_pool_io_round_trip_over_grpc():
-    running = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-local", "local"), "127.0.0.1", 0)
+def test_pool_io_round_trip_over_grpc(pool_server):
+    running = pool_server(name="pool-local")
     io = PoolIO(f"127.0.0.1:{running.port}", lookup_timeout_s=2.0)
     try:
         hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
@@ -285,4 +284,3 @@ def test_pool_io_round_trip_over_grpc():
             io.start_get("other-model", [(0, hashes[1])]).result(5)
     finally:
         io.close()
-        running.stop(0)

@@ -61,12 +61,12 @@ def test_striped_transfer_reassembles_in_full(pair):
         parts = sorted((f for f in frames if f.layer == layer), key=lambda f: f.block_start)
         assert b"".join(bytes(f.payload) for f in parts) == data
         assert [f.group for f in parts] == [layer % 2] * 3
-    assert len({p["connections"] for p in tx.snapshot()["peers"]}) == 1
+    assert len({p.connections for p in tx.snapshot().peers}) == 1
     deadline = time.monotonic() + 5  # the sender counts the transfer once its END frame is written,
-    while tx.snapshot()["peers"][0]["transfers_sent"] != 1 and time.monotonic() < deadline:
+    while tx.snapshot().peers[0].transfers_sent != 1 and time.monotonic() < deadline:
         time.sleep(0.01)  # which can be just after the receiver has it
-    assert tx.snapshot()["peers"][0]["transfers_sent"] == 1
-    assert rx.snapshot()["bytes_received"] == sum(map(len, layers.values()))
+    assert tx.snapshot().peers[0].transfers_sent == 1
+    assert rx.snapshot().bytes_received == sum(map(len, layers.values()))
 
 
 def test_telemetry_samples_tcp_info(pair):
@@ -74,8 +74,8 @@ def test_telemetry_samples_tcp_info(pair):
     tx.send(peer, "t-2", 0, 0, 0, 64, os.urandom(64 << 16))
     tx.finish(peer, "t-2")
     assert isinstance(collect(rx, "t-2")[1], TransferDone)
-    link = tx.snapshot()["peers"][0]
-    assert link["rtt_us"] > 0 and link["cwnd_segments"] > 0 and link["goodput_bps"] > 0
+    link = tx.snapshot().peers[0]
+    assert link.rtt_us > 0 and link.cwnd_segments > 0 and link.goodput_bps > 0
 
 
 def test_an_idle_connections_rtt_goes_stale(monkeypatch):
@@ -85,16 +85,16 @@ def test_an_idle_connections_rtt_goes_stale(monkeypatch):
     monkeypatch.setattr(telemetry.time, "monotonic", lambda: now[0])
     link = telemetry.PeerTelemetry("peer")
     link.on_sample(1, {"rtt_us": 18_000, "last_ack_recv_ms": 0, "snd_cwnd": 10})
-    assert link.snapshot()["rtt_us"] == 18_000
+    assert link.snapshot().rtt_us == 18_000
     now[0] += 1.0
     link.on_sample(2, {"rtt_us": 2_000, "last_ack_recv_ms": 50, "snd_cwnd": 10})
-    assert link.snapshot()["rtt_us"] == 18_000          # both fresh: the worse one
+    assert link.snapshot().rtt_us == 18_000          # both fresh: the worse one
     now[0] += telemetry.RTT_FRESH_S
     link.on_sample(2, {"rtt_us": 2_500, "last_ack_recv_ms": 10, "snd_cwnd": 10})
-    assert link.snapshot()["rtt_us"] == 2_500           # connection 1 has been idle too long
+    assert link.snapshot().rtt_us == 2_500           # connection 1 has been idle too long
     link.on_sample(2, {"rtt_us": 2_500, "last_ack_recv_ms": int(telemetry.RTT_FRESH_S * 1000) + 1})
     snapshot = link.snapshot()
-    assert snapshot["rtt_us"] == 0 and snapshot["cwnd_segments"] == 10  # no ACK lately: no reading
+    assert snapshot.rtt_us == 0 and snapshot.cwnd_segments == 10  # no ACK lately: no reading
 
 
 def test_wrong_secret_is_refused_at_connect(pair, caplog):
@@ -103,11 +103,11 @@ def test_wrong_secret_is_refused_at_connect(pair, caplog):
         tx.send(peer, "t-3", 0, 0, 0, 1, b"x" * 64)
         tx.finish(peer, "t-3")
         deadline = time.monotonic() + 5
-        while rx.snapshot()["connections_refused"] == 0 and time.monotonic() < deadline:
+        while rx.snapshot().connections_refused == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)
-    assert rx.snapshot()["connections_refused"] >= 1
-    assert tx.snapshot()["peers"][0]["transfers_failed"] == 1
+    assert rx.snapshot().connections_refused >= 1
+    assert tx.snapshot().peers[0].transfers_failed == 1
     assert any("different transport secret" in r.getMessage() for r in caplog.records)
     assert rx.poll(0.1) == []
 
@@ -156,7 +156,7 @@ def test_bad_frames_fail_their_transfer_and_the_receiver_keeps_serving(pair, cas
     frames, end = collect(rx, "bad")
     sock.close()
     assert frames == [] and isinstance(end, TransferFailed)
-    assert rx.snapshot()["frames_rejected"] == 1
+    assert rx.snapshot().frames_rejected == 1
     tx.send(peer, "good", 0, 0, 0, 1, payload)
     tx.finish(peer, "good")
     frames, end = collect(rx, "good")
@@ -184,7 +184,7 @@ def test_a_receiver_that_stops_reading_slows_the_sender_without_unbounded_memory
     tx.send(peer, "t-5", 0, 0, 0, 1024, bytes(1024 << 17))  # 128 MiB: beyond both budgets and socket buffers
     assert time.monotonic() - started >= 0.9  # the sender was held back ...
     assert rx._receiver.staging.used <= limit + (1 << 18)  # ... and the receiver staged no more than its budget
-    assert tx.snapshot()["peers"][0]["transfers_failed"] == 1
+    assert tx.snapshot().peers[0].transfers_failed == 1
 
 
 def test_mutual_tls(pair, tmp_path):
@@ -251,7 +251,7 @@ def _silent_peer(read_bytes: int = 0):
 def _wait_failed(tx: KVTransport, count: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if sum(p["transfers_failed"] for p in tx.snapshot()["peers"]) >= count:
+        if sum(p.transfers_failed for p in tx.snapshot().peers) >= count:
             return True
         time.sleep(0.05)
     return False
@@ -268,8 +268,8 @@ def test_a_stalled_or_broken_connection_fails_its_transfer_and_other_peers_keep_
         tx.finish(healthy, "t-ok")
         assert isinstance(collect(rx, "t-ok")[1], TransferDone)
         assert _wait_failed(tx, 1, 10.0)  # the stall is found after io_timeout_s; a reset at once
-        bad_link = next(p for p in tx.snapshot()["peers"] if p["peer"] == bad)
-        assert bad_link["transfers_failed"] == 1 and bad_link["transfers_sent"] == 0
+        bad_link = next(p for p in tx.snapshot().peers if p.peer == bad)
+        assert bad_link.transfers_failed == 1 and bad_link.transfers_sent == 0
     finally:
         listener.close()
         for conn in held:
@@ -473,7 +473,7 @@ def test_connections_that_never_authenticate_are_bounded_and_a_good_sender_goes_
     rx, tx, peer = pair(rx_settings, TransportSettings(secret=SECRET, connections_per_peer=2))
     idle = [_idle_connection(rx.port, "127.0.0.2") for _ in range(40)]
     try:
-        assert wait_for(lambda: rx.snapshot()["connections_refused"] >= 30, 5.0)
+        assert wait_for(lambda: rx.snapshot().connections_refused >= 30, 5.0)
         payload = os.urandom(1 << 20)
         tx.send(peer, "t-good", 0, 0, 0, 1, payload)
         tx.finish(peer, "t-good")
@@ -482,7 +482,7 @@ def test_connections_that_never_authenticate_are_bounded_and_a_good_sender_goes_
         started = time.monotonic()
         assert all(_closed_by_peer(sock, 5.0) for sock in idle)  # refused at once, or at the deadline
         assert time.monotonic() - started < 4.0
-        assert rx.snapshot()["connections_refused"] == 40  # 30 at accept, 10 at the handshake deadline
+        assert rx.snapshot().connections_refused == 40  # 30 at accept, 10 at the handshake deadline
         time.sleep(0.5)  # the handshake threads give their slots back just after closing
         again = [_idle_connection(rx.port, "127.0.0.2") for _ in range(10)]  # slots were given back
         readable, _, _ = select.select(again, [], [], 0.3)  # the receiver sends nothing first: readable = closed

@@ -1,0 +1,37 @@
+"""What the worker-side connector reports to the engine: the transport's telemetry and the cache
+pool counters, as frozen dataclasses.
+
+vLLM carries connector stats from the worker process to the engine front end as a plain dict
+(``KVConnectorStats.data``, msgpack-encoded); ``ConnectorSnapshot.as_dict``/``from_dict`` are the
+one place that dict is written and read.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from services.kv_transport.telemetry import TransportSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """Cumulative cache pool traffic of one engine's connector."""
+
+    tokens_loaded: int = 0
+    tokens_stored: int = 0
+    loads_failed: int = 0
+    stores_failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSnapshot:
+    transport: TransportSnapshot = field(default_factory=TransportSnapshot)
+    pool: PoolCounters = field(default_factory=PoolCounters)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"transport": self.transport.as_dict(), "pool": asdict(self.pool)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ConnectorSnapshot:
+        return cls(TransportSnapshot.from_dict(data.get("transport", {})), PoolCounters(**data.get("pool", {})))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.engine.types import EngineStats, GenerateInput, KvTransfer, LinkStats, Sampling, TokenDelta, WorkerStats
+from services.engine.types import EngineStats, GenerateInput, LinkStats, Sampling, TokenDelta, WorkerStats
+from services.kv_connector.params import consume, produce
 from services.kv_connector.snapshot import ConnectorSnapshot
 from services.kv_transport import PeerSnapshot
 
@@ -38,7 +39,7 @@ def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling),
-        kv_transfer=KvTransfer("consume", transfer_id) if transfer_id else None,
+        kv_transfer=consume(transfer_id) if transfer_id else None,
     )
 
 
@@ -54,7 +55,7 @@ def generate_input_to_proto(request: GenerateInput) -> pb.GenerateRequest:
 
 def prefill_input_from_proto(msg: pb.PrefillRequest) -> GenerateInput:
     """A prefill is a one-token generation; with a target, its KV streams there."""
-    transfer = KvTransfer("produce", msg.transfer_id or msg.request_id, msg.kv_target) if msg.kv_target else None
+    transfer = produce(msg.transfer_id or msg.request_id, msg.kv_target) if msg.kv_target else None
     return GenerateInput(msg.request_id, list(msg.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0),
                          kv_transfer=transfer)
 

@@ -5,7 +5,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.engine.types import EngineStats, GenerateInput, KvTransfer, Sampling, TokenDelta
+from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
+from services.kv_connector.params import KvTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,6 @@ def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from services.kv_connector.params import TransferParams
-
     return SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -106,8 +105,7 @@ def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
-        extra_args=TransferParams(kv_transfer.mode, kv_transfer.transfer_id, kv_transfer.peer).to_extra_args()
-        if kv_transfer else None,
+        extra_args=kv_transfer.to_extra_args() if kv_transfer else None,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.kv_connector.params import KvTransfer
 from services.kv_connector.snapshot import ConnectorSnapshot
 
 
@@ -16,15 +17,6 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class KvTransfer:
-    """This request's KV is streamed: ``produce`` it to ``peer``, or ``consume`` it from a producer."""
-
-    mode: str
-    transfer_id: str
-    peer: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
-"""Per-request transfer instructions, carried in vLLM's ``kv_transfer_params``.
-
-The workers' gRPC servicers build them; the connector's scheduler side reads them. A producer
+"""Per-request transfer instructions: ``KvTransfer``, the one type for a request's streamed KV from
+the router (``GenerateInput.kv_transfer``) through the workers' RPC conversion to the connector,
+which reads it from vLLM's ``kv_transfer_params``. A producer
 computes the KV of ``prompt[:-1]`` and streams it to ``peer``; the consumer loads that KV and
 computes the last prompt token itself (as vLLM's Mooncake and NIXL connectors do for hybrid models).
 """
@@ -13,7 +13,9 @@ KEY = "prfaas"
 
 
 @dataclass(frozen=True, slots=True)
-class TransferParams:
+class KvTransfer:
+    """This request's KV is streamed: ``produce`` it to ``peer``, or ``consume`` it from a producer."""
+
     mode: Literal["produce", "consume"]
     transfer_id: str
     peer: str = ""
@@ -24,16 +26,16 @@ class TransferParams:
                                              "peer": self.peer}}}
 
     @classmethod
-    def of(cls, kv_transfer_params: dict | None) -> "TransferParams | None":
+    def of(cls, kv_transfer_params: dict | None) -> KvTransfer | None:
         raw = (kv_transfer_params or {}).get(KEY)
         if not raw:
             return None
         return cls(mode=raw["mode"], transfer_id=raw["transfer_id"], peer=raw.get("peer", ""))
 
 
-def produce(transfer_id: str, peer: str) -> TransferParams:
-    return TransferParams("produce", transfer_id, peer)
+def produce(transfer_id: str, peer: str) -> KvTransfer:
+    return KvTransfer("produce", transfer_id, peer)
 
 
-def consume(transfer_id: str) -> TransferParams:
-    return TransferParams("consume", transfer_id)
+def consume(transfer_id: str) -> KvTransfer:
+    return KvTransfer("consume", transfer_id)

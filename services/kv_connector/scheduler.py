@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.params import TransferParams
+from services.kv_connector.params import KvTransfer
 from services.kv_connector.pool_scheduler import PoolPlanner, merge_block_ids
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Producing:
-    params: TransferParams
+    params: KvTransfer
     num_tokens: int
     block_ids: list[list[int]]
     num_sent_tokens: int = 0  # KV of tokens [0, num_sent_tokens) is already handed to the worker
@@ -38,7 +38,7 @@ class PrfaasConnectorScheduler:
         self._abandoned: list[str] = []
 
     def on_new_request(self, request: Any) -> None:
-        params = TransferParams.of(request.kv_transfer_params)
+        params = KvTransfer.of(request.kv_transfer_params)
         if params is not None and params.mode == "produce" and request.num_prompt_tokens >= 2:
             _truncate_last_prompt_token(request)
             self._producing[request.request_id] = _Producing(params, request.num_prompt_tokens, [])
@@ -48,7 +48,7 @@ class PrfaasConnectorScheduler:
             self._pool.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = TransferParams.of(request.kv_transfer_params)
+        params = KvTransfer.of(request.kv_transfer_params)
         if not _consumes(params):
             count = self._pool.num_matched_tokens(request, num_computed_tokens) if self._pool else 0
             return count, bool(count)
@@ -58,7 +58,7 @@ class PrfaasConnectorScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = TransferParams.of(request.kv_transfer_params)
+        params = KvTransfer.of(request.kv_transfer_params)
         if not _consumes(params):
             if self._pool is not None:
                 self._pool.after_alloc(request, blocks, num_external_tokens)
@@ -107,7 +107,7 @@ class PrfaasConnectorScheduler:
         self._consuming.pop(request.request_id, None)
         if self._pool is not None:
             self._pool.on_finished(request)
-        params = TransferParams.of(request.kv_transfer_params)
+        params = KvTransfer.of(request.kv_transfer_params)
         if params is not None and params.mode == "consume":
             self._abandoned.append(params.transfer_id)  # a no-op on the worker once received
         return False, None
@@ -126,7 +126,7 @@ class PrfaasConnectorScheduler:
                                    start, end, producing.num_tokens))
 
 
-def _consumes(params: TransferParams | None) -> bool:
+def _consumes(params: KvTransfer | None) -> bool:
     return params is not None and params.mode == "consume"
 
 

@@ -15,7 +15,8 @@ import grpc
 
 from services.config import RouterConfig
 from services.engine import convert
-from services.engine.types import GenerateInput, KvTransfer, TokenDelta
+from services.engine.types import GenerateInput, TokenDelta
+from services.kv_connector.params import consume
 from services.router.admission import PrefillQueues
 from services.router.errors import ApiError, bad_request, unavailable
 from services.router.metrics import RouterMetrics
@@ -155,8 +156,8 @@ class Dispatcher:
         """The decode worker waits for KV that the prefill worker streams to it."""
         prefill = self._pool.handle(route.prefill)
         self._metrics.routed.labels(route.path).inc()
-        consume = dataclasses.replace(request, kv_transfer=KvTransfer("consume", request.request_id))
-        call = decode.decode.Generate(convert.generate_input_to_proto(consume), timeout=self._config.request_timeout_s)
+        consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
+        call = decode.decode.Generate(convert.generate_input_to_proto(consumer), timeout=self._config.request_timeout_s)
         prefill_call = prefill.prefill.Prefill(
             convert.prefill_request_to_proto(request, decode.kv_address), timeout=self._config.request_timeout_s)
         prefill_task = asyncio.ensure_future(prefill_call)

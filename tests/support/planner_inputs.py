@@ -5,8 +5,11 @@ S_kv(l) = 0.1 * l MiB; a decode instance finishes 10 / (0.01 s * 100 tokens) = 1
 """
 import copy
 import math
+from pathlib import Path
 
 import yaml
+
+CASE_STUDY = Path(__file__).resolve().parents[1] / "data" / "case_study.yaml"  # the paper's case study
 
 SYNTHETIC = {
     "workload": {

@@ -1,7 +1,26 @@
+"""Ports for tests.
+
+A server a test starts in its own process binds port 0 and reports the port it got (``server.port``,
+``KVTransport.port``); nothing here is needed for it. ``free_port`` is only for deployments of
+separate processes whose ports must be written into a config file before they start: it is racy
+(another process may take the port between this check and the service's bind), which those tests accept.
+"""
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def free_port() -> int:
+    """A port nothing listened on a moment ago, for a config file written before its services start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def refused_address() -> Iterator[str]:
+    """``127.0.0.1:port`` where a connection is refused: the port is bound, never listened on, and held
+    until the block ends, so no other process can take it meanwhile."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"

@@ -9,11 +9,10 @@ import grpc
 import pytest
 
 from support.cache_pool import BLOCK_SIZE, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, prompt, query
-from support.ports import free_port
+from support.ports import refused_address
 
 from services.cache_pool.client import CachePoolClient
 from services.cache_pool.pool import CachePool
-from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.cache_pool.transfer import CrossClusterCopier
 from services.kv_transport import TransportSettings
 from services.scheduling.offload import CacheTransfer
@@ -23,18 +22,16 @@ from services.security import KnownPeers
 KV_SETTINGS = TransportSettings(secret="pool-secret", recv_idle_timeout_s=5.0)
 
 
-def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
+def _run(pool_server, source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
     """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools, the
     outcome callbacks' records and the bytes the target pool's KV listener received. ``kv``: both
     pools have a KV transport, so bytes go pool to pool."""
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
     options = {"kv_port": 0, "transport": KV_SETTINGS} if kv else {}
-    servers = {"local": start_pool_server(pools["local"], PoolIdentity("pool-local", "local"), "127.0.0.1", 0,
-                                          **options)}
+    servers = {"local": pool_server(pools["local"], "pool-local", "local", **options)}
     if kv:  # the source pool knows the target as a peer, as cache_pools[] in a config would tell it
         options["peers"] = _peers(servers["local"])
-    servers["prfaas"] = start_pool_server(pools["prfaas"], PoolIdentity("pool-prfaas", "prfaas"), "127.0.0.1", 0,
-                                          **options)
+    servers["prfaas"] = pool_server(pools["prfaas"], "pool-prfaas", "prfaas", **options)
     pools["prfaas"].put(MODEL, source_blocks)
     pools["local"].put(MODEL, target_blocks)
     addresses = addresses or {c: f"127.0.0.1:{s.port}" for c, s in servers.items()}
@@ -53,23 +50,18 @@ def _run(source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
             for client in clients.values():
                 await client.close()
 
-    try:
-        asyncio.run(main())
-        kv_bytes_received = servers["local"].servicer.kv_bytes_received
-    finally:
-        for server in servers.values():
-            server.stop(0)
-    return pools, copied, failed, kv_bytes_received
+    asyncio.run(main())
+    return pools, copied, failed, servers["local"].servicer.kv_bytes_received
 
 
 PROMPT = hashes(prompt(8))
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
-def test_only_the_missing_blocks_and_the_last_state_cross(kv):
+def test_only_the_missing_blocks_and_the_last_state_cross(pool_server, kv):
     source = blocks(FULL.group_id, PROMPT[:6]) + blocks(LINEAR.group_id, [PROMPT[2], PROMPT[5]])
     target = blocks(FULL.group_id, PROMPT[:2]) + blocks(LINEAR.group_id, [PROMPT[1]])
-    pools, copied, failed, kv_bytes_received = _run(source, target, prefix_blocks=6, kv=kv)
+    pools, copied, failed, kv_bytes_received = _run(pool_server, source, target, prefix_blocks=6, kv=kv)
     assert failed == []
     # blocks 2..5 of the attention group and the state at block 5: 5 blocks of 100 bytes
     assert copied == [("prfaas", "local", 5, 500)]
@@ -82,20 +74,21 @@ def test_only_the_missing_blocks_and_the_last_state_cross(kv):
     assert pools["local"].get(MODEL, [(FULL.group_id, PROMPT[4])]) == blocks(FULL.group_id, [PROMPT[4]])
 
 
-def test_a_target_that_holds_the_prefix_copies_nothing():
+def test_a_target_that_holds_the_prefix_copies_nothing(pool_server):
     source = blocks(FULL.group_id, PROMPT[:4]) + blocks(LINEAR.group_id, [PROMPT[3]])
-    pools, copied, failed, _ = _run(source, source, prefix_blocks=4)
+    pools, copied, failed, _ = _run(pool_server, source, source, prefix_blocks=4)
     assert (copied, failed) == ([("prfaas", "local", 0, 0)], [])
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
-def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only(kv):
+def test_a_source_missing_blocks_or_an_unreachable_pool_fails_the_transfer_only(pool_server, kv):
     target = blocks(FULL.group_id, PROMPT[:1])
-    pools, copied, failed, _ = _run(blocks(FULL.group_id, PROMPT[:3]), target, prefix_blocks=3, kv=kv)  # no state
+    source = blocks(FULL.group_id, PROMPT[:3])
+    pools, copied, failed, _ = _run(pool_server, source, target, prefix_blocks=3, kv=kv)  # no state
     assert (copied, failed) == ([], [("prfaas", "local")])
     assert pools["local"].lookup(query(PROMPT)).num_full_attention_blocks == 1  # nothing half-copied
-    dead = {"prfaas": f"127.0.0.1:{free_port()}", "local": f"127.0.0.1:{free_port()}"}
-    _, copied, failed, _ = _run([], [], prefix_blocks=3, addresses=dead)
+    with refused_address() as prfaas, refused_address() as local:
+        _, copied, failed, _ = _run(pool_server, [], [], prefix_blocks=3, addresses={"prfaas": prfaas, "local": local})
     assert (copied, failed) == ([], [("prfaas", "local")])
 
 
@@ -103,15 +96,13 @@ def _peers(*servers) -> KnownPeers:
     return KnownPeers(frozenset(f"127.0.0.1:{s.servicer.kv_port}" for s in servers), "test pools")
 
 
-def test_a_pool_pushes_only_to_configured_peer_pools():
+def test_a_pool_pushes_only_to_configured_peer_pools(pool_server):
     """A Push naming any other address is PERMISSION_DENIED before a connection is opened, and counted."""
     settings = TransportSettings(secret="pool-secret", recv_idle_timeout_s=1.0)
     source_pool = CachePool(1 << 20)
     source_pool.put(MODEL, blocks(FULL.group_id, PROMPT[:3]))
-    target = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-b", "local"), "127.0.0.1", 0, kv_port=0,
-                               transport=settings)
-    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
-                               transport=settings, peers=_peers(target))
+    target = pool_server(name="pool-b", kv_port=0, transport=settings)
+    source = pool_server(source_pool, "pool-a", "prfaas", kv_port=0, transport=settings, peers=_peers(target))
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(1.0)
     bait = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -133,19 +124,15 @@ def test_a_pool_pushes_only_to_configured_peer_pools():
         assert source.servicer.rejections.snapshot() == {"unknown_peer": 1}
     finally:
         listener.close()
-        for server in (source, target):
-            server.stop(0)
 
 
-def test_pool_to_pool_calls_refuse_bad_requests_and_mismatched_transfers():
+def test_pool_to_pool_calls_refuse_bad_requests_and_mismatched_transfers(pool_server):
     settings = TransportSettings(secret="pool-secret", recv_idle_timeout_s=1.0)
     source_pool, target_pool = CachePool(1 << 20), CachePool(1 << 20)
     source_pool.put(MODEL, blocks(FULL.group_id, PROMPT[:3]))
-    target = start_pool_server(target_pool, PoolIdentity("pool-b", "local"), "127.0.0.1", 0, kv_port=0,
-                               transport=settings)
-    source = start_pool_server(source_pool, PoolIdentity("pool-a", "prfaas"), "127.0.0.1", 0, kv_port=0,
-                               transport=settings, peers=_peers(target))
-    plain = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-c", "local"), "127.0.0.1", 0)
+    target = pool_server(target_pool, "pool-b", kv_port=0, transport=settings)
+    source = pool_server(source_pool, "pool-a", "prfaas", kv_port=0, transport=settings, peers=_peers(target))
+    plain = pool_server(name="pool-c")
     refs = [(FULL.group_id, h) for h in PROMPT[:3]]
 
     async def main():
@@ -175,8 +162,4 @@ def test_pool_to_pool_calls_refuse_bad_requests_and_mismatched_transfers():
             for client in (a, b, c):
                 await client.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for server in (source, target, plain):
-            server.stop(0)
+    asyncio.run(main())

@@ -13,8 +13,6 @@ from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
 from support.certs import make_node_cert
 
-from services.cache_pool.pool import CachePool
-from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.config import ConfigError, parse_config
 from services.security import GrpcSecurity, Rejections, check_listeners
 from services.security.exposure import deployment_listeners, is_loopback
@@ -32,23 +30,8 @@ def _health(security: GrpcSecurity, port: int) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-@pytest.fixture
-def pool_server():
-    servers = []
-
-    def start(security: GrpcSecurity):
-        server = start_pool_server(CachePool(1 << 20), PoolIdentity("pool-t", "local"), "127.0.0.1", 0,
-                                   security=security)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop(0)
-
-
 def test_a_token_is_required_and_counted_but_health_answers_without_one(pool_server):
-    server = pool_server(GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,)))
+    server = pool_server(security=GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,)))
     assert _stats(GrpcSecurity(token=TOKEN), server.port).memory_blocks == 0
     for caller, reason in [(GrpcSecurity(), "missing_token"), (GrpcSecurity(token="guess"), "wrong_token"),
                            (GrpcSecurity(token=TOKEN + "x"), "wrong_token")]:
@@ -64,7 +47,7 @@ def test_a_token_is_required_and_counted_but_health_answers_without_one(pool_ser
 
 
 def test_a_malformed_authorization_header_is_missing_credentials(pool_server):
-    server = pool_server(GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,)))
+    server = pool_server(security=GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,)))
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         for value in (TOKEN, f"Basic {TOKEN}", "Bearer "):
             with pytest.raises(grpc.RpcError) as error:
@@ -80,10 +63,10 @@ def test_rotation_accepts_the_previous_token_until_it_is_removed(pool_server, mo
     monkeypatch.setenv("PRFAAS_GRPC_PREVIOUS_TOKENS", "old-2, old-3")
     config = SecurityConfig(token="new", previous_tokens=("old-1",))
     assert config.accepted_tokens == ("new", "old-1", "old-2", "old-3")
-    server = pool_server(GrpcSecurity.from_sections(config, {}))
+    server = pool_server(security=GrpcSecurity.from_sections(config, {}))
     for token in ("new", "old-1", "old-3"):
         _stats(GrpcSecurity(token=token), server.port)
-    rotated = pool_server(GrpcSecurity(token="new", accepted_tokens=("new",)))
+    rotated = pool_server(security=GrpcSecurity(token="new", accepted_tokens=("new",)))
     with pytest.raises(grpc.RpcError) as error:
         _stats(GrpcSecurity(token="old-1"), rotated.port)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -93,7 +76,7 @@ def test_mutual_tls_refuses_a_client_of_another_ca_at_the_handshake(pool_server,
     ours = make_node_cert(tmp_path / "ours")
     theirs = make_node_cert(tmp_path / "theirs", ca_name="someone-else")
     tls = {"tls_cert": ours.cert, "tls_key": ours.key, "tls_ca": ours.ca}
-    server = pool_server(GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,), **tls))
+    server = pool_server(security=GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,), **tls))
     assert _stats(GrpcSecurity(token=TOKEN, **tls), server.port).memory_blocks == 0
     assert _health(GrpcSecurity(**tls), server.port) == health_pb2.HealthCheckResponse.SERVING
     # Their certificate, but trusting our CA: our server refuses their certificate.
@@ -141,7 +124,7 @@ def test_the_aio_interceptor_refuses_streaming_calls_too():
 
 
 def test_message_size_and_stream_bounds_are_explicit(pool_server):
-    server = pool_server(GrpcSecurity(max_message_bytes=1 << 20))
+    server = pool_server(security=GrpcSecurity(max_message_bytes=1 << 20))
     with grpc.insecure_channel(f"127.0.0.1:{server.port}",
                                options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
         request = pb.PutRequest(model="m", blocks=[pb.CacheBlock(group_id=0, block_hash=b"h" * 16,

@@ -8,7 +8,7 @@ from services.cli import main
 from services.loadgen.config import BenchConfig, WorkloadConfig
 from services.loadgen.runner import run_benchmark
 from support.fake_openai import FakeOpenAI, FakeOpenAIThread
-from support.ports import free_port
+from support.ports import refused_address
 
 SMALL = WorkloadConfig(input_len=16, output_len=4)
 
@@ -166,12 +166,13 @@ def cli(*args) -> int:
 
 def test_cli_unreachable_endpoint_writes_a_partial_result(tmp_path, capsys):
     path = tmp_path / "r.json"
-    url = f"http://127.0.0.1:{free_port()}"
-    assert cli("serve", "--base-url", url, "--num-prompts", "2", "--result-file", str(path)) == 0
-    assert "cannot connect to 127.0.0.1" in capsys.readouterr().err
-    result = json.loads(path.read_text())
-    assert result["completed"] == 0 and "cannot connect" in result["fatal_error"]
-    assert cli("serve", "--base-url", url, "--result-file", str(path), "--fail-on-error") == 1
+    with refused_address() as address:
+        url = f"http://{address}"
+        assert cli("serve", "--base-url", url, "--num-prompts", "2", "--result-file", str(path)) == 0
+        assert "cannot connect to 127.0.0.1" in capsys.readouterr().err
+        result = json.loads(path.read_text())
+        assert result["completed"] == 0 and "cannot connect" in result["fatal_error"]
+        assert cli("serve", "--base-url", url, "--result-file", str(path), "--fail-on-error") == 1
 
 
 def test_cli_rejections_exit_nonzero_only_with_fail_on_error(tmp_path, capsys):

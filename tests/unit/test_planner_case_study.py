@@ -2,20 +2,18 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from services.planner.inputs import load_plan_inputs
 from services.planner.report import plan_to_dict, run_plan
-
-CASE_STUDY = Path(__file__).resolve().parents[1] / "data" / "case_study.yaml"
+from support.planner_inputs import CASE_STUDY
 
 
 @pytest.fixture(scope="module")
-def planned():
-    inputs = load_plan_inputs(CASE_STUDY)
-    return plan_to_dict(run_plan(inputs)), inputs.paper_results
+def planned(case):
+    inputs, plan = case
+    return plan_to_dict(plan), inputs.paper_results
 
 
 @pytest.mark.parametrize("section, key, tolerance", [

@@ -5,27 +5,18 @@ import random
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import yaml
 
-from services.planner.inputs import load_plan_inputs, parse_plan_inputs
+from services.planner.inputs import parse_plan_inputs
 from services.planner.profiles import PiecewiseLinear
-from services.planner.report import run_plan
 from services.simulator.arrivals import make_arrivals
 from services.simulator.bandwidth import TraceError, parse_trace
 from services.simulator.capacity import mean_length_overstatement
 from services.simulator.engine import simulate
 from services.simulator.setup import RunSpec, make_controller, topology_for, workload_of
-
-CASE_STUDY = Path(__file__).resolve().parents[1] / "data" / "case_study.yaml"
-
-
-@pytest.fixture(scope="module")
-def case():
-    inputs = load_plan_inputs(CASE_STUDY)
-    return inputs, run_plan(inputs)
+from support.planner_inputs import CASE_STUDY
 
 
 def spec_for(case, policy, load_factor, num_requests, **kwargs):

@@ -4,22 +4,14 @@ import math
 
 import pytest
 
-from services.planner.inputs import load_plan_inputs
 from services.planner.model import PrfaasModel
-from services.planner.report import run_plan
 from services.scheduling.congestion import CongestionAwareThreshold, LinkSample
 from services.scheduling.routing import choose_prefill_site
 from services.scheduling.threshold import OffloadModel
 from services.simulator.bandwidth import parse_trace
 from services.simulator.engine import simulate
 from services.simulator.setup import make_controller
-from test_simulator import CASE_STUDY, spec_for
-
-
-@pytest.fixture(scope="module")
-def case():
-    inputs = load_plan_inputs(CASE_STUDY)
-    return inputs, run_plan(inputs)
+from test_simulator import spec_for
 
 
 @pytest.mark.parametrize("tokens, threshold, available, site", [

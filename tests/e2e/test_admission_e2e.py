@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from support.deployment import Deployment, deployment_config, wait_until
+from support.deployment import deployment_config, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,12 +29,10 @@ SCHEDULER = {
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(start_deployment):
     config = deployment_config([{"name": "decode-0", "service": "decode_worker", "role": "both"}],
                                scheduler=SCHEDULER)
-    deployment = Deployment(config, tmp_path_factory.mktemp("admission")).start()
-    yield deployment
-    deployment.stop()
+    return start_deployment(config, "admission")
 
 
 @pytest.fixture(scope="module")

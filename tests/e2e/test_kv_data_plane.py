@@ -24,7 +24,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.kv_transport import protocol
 from support.baseline import colocated_greedy
-from support.deployment import Deployment, deployment_config, wait_until
+from support.deployment import deployment_config, wait_until
 from support.ports import free_port
 from support.prose import corpus, tokenize
 
@@ -51,7 +51,7 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(start_deployment):
     engine = {"max_num_batched_tokens": BUDGET}
     config = deployment_config(
         [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
@@ -63,9 +63,7 @@ def cluster(tmp_path_factory):
         scheduler={"offload_threshold_tokens": THRESHOLD},
         transport={"secret": SECRET, "recv_idle_timeout_s": 10.0},
     )
-    deployment = Deployment(config, tmp_path_factory.mktemp("kv")).start()
-    yield deployment
-    deployment.stop()
+    return start_deployment(config, "kv")
 
 
 def _budget(length: int) -> int:

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from support.baseline import colocated_greedy
-from support.deployment import Deployment, deployment_config
+from support.deployment import deployment_config
 from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,7 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(start_deployment):
     engine = {"max_num_batched_tokens": BUDGET, "enable_prefix_caching": False}
     config = deployment_config(
         [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
@@ -48,9 +48,7 @@ def cluster(tmp_path_factory):
         model_path=f"builtin:{MODEL}", model_name=MODEL,
         scheduler={"offload_threshold_tokens": THRESHOLD}, transport={"secret": "e2e-hybrid"},
     )
-    deployment = Deployment(config, tmp_path_factory.mktemp("hybrid")).start()
-    yield deployment
-    deployment.stop()
+    return start_deployment(config, "hybrid")
 
 
 @pytest.fixture(scope="module")

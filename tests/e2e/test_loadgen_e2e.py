@@ -10,7 +10,7 @@ import uuid
 import openai
 import pytest
 
-from support.deployment import Deployment, deployment_config, wait_until
+from support.deployment import deployment_config, wait_until
 from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -21,14 +21,12 @@ OUTPUT_LEN = 16
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(start_deployment):
     config = deployment_config([{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"},
                                 {"name": "decode-0", "service": "decode_worker", "role": "both",
                                  "kv_port": free_port()}],
                                logging={"level": "debug", "json": True})
-    deployment = Deployment(config, tmp_path_factory.mktemp("bench")).start()
-    yield deployment
-    deployment.stop()
+    return start_deployment(config, "bench")
 
 
 def bench(deployment, tmp_path, *args) -> dict:

@@ -6,7 +6,7 @@ import time
 import openai
 import pytest
 
-from support.deployment import Deployment, deployment_config
+from support.deployment import deployment_config
 
 pytestmark = pytest.mark.e2e
 
@@ -14,13 +14,11 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(start_deployment):
     config = deployment_config([{"name": "decode-0", "service": "decode_worker"},
                                 {"name": "decode-1", "service": "decode_worker"}],
                                router={"stats_interval_s": 30.0})
-    deployment = Deployment(config, tmp_path_factory.mktemp("failure")).start()
-    yield deployment
-    deployment.stop()
+    return start_deployment(config, "failure")
 
 
 def test_killed_worker_is_routed_around_then_503(deployment):

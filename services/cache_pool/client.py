@@ -169,7 +169,7 @@ class CachePoolClient:
             frames = await asyncio.to_thread(inbox.take, kv_transfer_id, self._kv_settings.recv_idle_timeout_s)
         except TransferError as exc:
             raise BlockMissingError(f"blocks pushed by the pool did not arrive: {exc}") from None
-        by_index = {frame.layer: frame for frame in frames}
+        by_index = {frame.block_index: frame for frame in frames}
         if sorted(by_index) != list(range(len(refs))):
             raise BlockMissingError(f"the pool pushed {len(frames)} frames for {len(refs)} blocks")
         return [Block(g, h, bytes(by_index[i].payload)) for i, (g, h) in enumerate(refs)]
@@ -184,7 +184,7 @@ class CachePoolClient:
     def _send_blocks(self, kv_target: str, kv_transfer_id: str, blocks: list[Block]) -> None:
         transport = self._kv_inbox().transport if self._kv_host else self._sender()
         for i, block in enumerate(blocks):
-            transport.send(kv_target, kv_transfer_id, i, block.group_id, 0, 1, block.data)
+            transport.send_block(kv_target, kv_transfer_id, i, block.group_id, block.data)
         transport.finish(kv_target, kv_transfer_id)
 
     def _sender(self) -> KVTransport:

@@ -108,7 +108,7 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
         transport = self._inbox.transport
         for i, block in enumerate(blocks):
-            transport.send(target, request.kv_transfer_id, i, block.group_id, 0, 1, block.data)
+            transport.send_block(target, request.kv_transfer_id, i, block.group_id, block.data)
         transport.finish(target, request.kv_transfer_id)
         return pb.PushResponse(num_blocks=len(blocks), num_bytes=sum(len(b.data) for b in blocks))
 
@@ -158,7 +158,7 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
                                       context.is_active)
         except TransferError as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        by_index = {frame.layer: frame for frame in frames}
+        by_index = {frame.block_index: frame for frame in frames}
         if len(frames) != len(refs) or sorted(by_index) != list(range(len(refs))) or any(
                 by_index[i].group != group_id or by_index[i].num_blocks != 1 for i, (group_id, _) in enumerate(refs)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KV transfer {request.kv_transfer_id} does not carry "

@@ -21,7 +21,6 @@ from services.kv_transport import Frame, KVTransport, TransferDone, TransferFail
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_LAYER = 0xFFFF  # a frame on this "layer" carries the producer's layout fingerprint
 MAX_FORGOTTEN = 4096
 # While an engine only waits for streamed KV, vLLM runs empty steps back to back; blocking this long
 # for the next frame keeps those steps from spinning a core that a colocated engine needs.
@@ -97,8 +96,7 @@ class PrfaasConnectorWorker:
     def wait_for_save(self) -> None:
         for send in self._sends:
             if send.start == 0:
-                fingerprint = self.layout.fingerprint.encode()
-                self.streams.send(send.peer, send.transfer_id, FINGERPRINT_LAYER, 0, 0, 0, fingerprint)
+                self.streams.send_layout(send.peer, send.transfer_id, self.layout.fingerprint.encode())
             if send.is_last:
                 for frame in self._deferred.pop(send.transfer_id, ()):
                     self.streams.send(send.peer, send.transfer_id, *frame)
@@ -172,7 +170,7 @@ class PrfaasConnectorWorker:
 
     def _apply(self, frame: Frame, spec: RecvSpec) -> str | None:
         """Copy one frame into the request's blocks; returns an error text instead of raising."""
-        if frame.layer == FINGERPRINT_LAYER:
+        if frame.is_layout:
             theirs = bytes(frame.payload).decode(errors="replace")
             ours = self.layout.fingerprint
             return None if theirs == ours else f"KV layout mismatch ({theirs} != {ours})"

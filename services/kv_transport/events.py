@@ -4,10 +4,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from services.kv_transport.protocol import DATA, LAYOUT
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer."""
+    """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer; or, of kind
+    LAYOUT, the sender's layout fingerprint (see ``protocol``)."""
 
     transfer_id: str
     layer: int
@@ -15,6 +18,16 @@ class Frame:
     block_start: int
     num_blocks: int
     payload: memoryview
+    kind: int = DATA
+
+    @property
+    def is_layout(self) -> bool:
+        return self.kind == LAYOUT
+
+    @property
+    def block_index(self) -> int:
+        """Which block of its transfer a one-block frame carries (``protocol.block_frame_fields``)."""
+        return self.layer
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The KV stream wire format, version 1.
+"""The KV stream wire format, version 2.
 
 A connection starts with a handshake (client → server) that checks the protocol version and
 proves, in both directions, knowledge of the shared secret without sending it::
@@ -12,6 +12,17 @@ proves, in both directions, knowledge of the shared secret without sending it::
 Then only frames flow, client → server: a fixed header, the transfer id, the payload. Frames of
 one transfer may travel on different connections; ``seq`` numbers them and the END frame carries
 their count, so the receiver knows when a transfer is complete whatever the arrival order.
+
+Frame kinds:
+
+- DATA: blocks ``[block_start, block_start + num_blocks)`` of layer ``layer`` of KV-cache group
+  ``group``. A cache pool's transfer moves whole blocks instead, one per DATA frame: there ``layer``
+  is the block's index in the transfer (``block_frame_fields``; read back as ``Frame.block_index``).
+- LAYOUT: the producer's KV layout fingerprint (payload), which the consumer checks before it
+  writes any block; ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 1 sent
+  it as a DATA frame of layer 0xFFFF.)
+- END: no more frames; ``seq`` is how many DATA and LAYOUT frames the transfer has.
+- ABORT: the sender gave up on the transfer; the payload says why.
 """
 from __future__ import annotations
 
@@ -24,12 +35,13 @@ from dataclasses import dataclass
 
 import xxhash
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"PFKV"
 MAX_TRANSFER_ID_BYTES = 255
 
-DATA, END, ABORT = 0, 1, 2
-KINDS = (DATA, END, ABORT)
+DATA, END, ABORT, LAYOUT = 0, 1, 2, 3
+KINDS = (DATA, END, ABORT, LAYOUT)
+COUNTED_KINDS = (DATA, LAYOUT)  # the frames END counts, handed to the receiving user
 
 # magic, version, kind, id length, layer, group, block start, block count, seq, payload length, xxh3-64
 HEADER = struct.Struct("!4sBBBxHHIIIQQ")
@@ -61,6 +73,12 @@ class FrameHeader:
     seq: int
     length: int
     digest: int
+
+
+def block_frame_fields(index: int, group: int) -> tuple[int, int, int, int]:
+    """(layer, group, block_start, num_blocks) of a DATA frame carrying one whole block, the
+    ``index``-th of its transfer (a cache pool's transfer)."""
+    return index, group, 0, 1
 
 
 def encode_header(kind: int, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,

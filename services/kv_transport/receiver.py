@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy
 
 from services.kv_transport.events import ByteBudget, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import (ABORT, DATA, END, HEADER, FrameHeader, HandshakeRefused, ProtocolError,
-                                            checksum, finish_header, read_header, recv_into_exactly,
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, END, HEADER, FrameHeader, HandshakeRefused,
+                                            ProtocolError, checksum, finish_header, read_header, recv_into_exactly,
                                             server_handshake, unpack_fixed)
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.wakeup import WakePipe
@@ -333,10 +333,10 @@ class Receiver:
     # Frames, whichever way they came ---------------------------------------------------------------
 
     def _on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str]) -> None:
-        """A whole frame is in; its staging room was taken and is kept only by a DATA frame that is
-        handed on."""
+        """A whole frame is in; its staging room was taken and is kept only by a counted frame (DATA
+        or LAYOUT) that is handed on."""
         self.bytes_received += header.length
-        keep = header.kind == DATA and not self._is_forgotten(header.transfer_id)
+        keep = header.kind in COUNTED_KINDS and not self._is_forgotten(header.transfer_id)
         if not keep:
             self.staging.release(header.length)
         if checksum(payload) != header.digest:
@@ -352,7 +352,7 @@ class Receiver:
             self._on_frame(header.transfer_id, None, header.seq)
         elif keep:
             frame = Frame(header.transfer_id, header.layer, header.group, header.block_start,
-                          header.num_blocks, payload)
+                          header.num_blocks, payload, header.kind)
             self._on_frame(header.transfer_id, frame, None)
 
     def _on_frame(self, transfer_id: str, frame: Frame | None, expected: int | None) -> None:

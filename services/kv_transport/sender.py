@@ -32,7 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.kv_transport.events import ByteBudget
-from services.kv_transport.protocol import ABORT, DATA, END, HandshakeRefused, client_handshake, encode_header
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, HandshakeRefused, client_handshake,
+                                            encode_header)
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.telemetry import Clock, PeerTelemetry, tcp_info
 from services.kv_transport.wakeup import WakePipe
@@ -97,6 +98,10 @@ class PeerLink:
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
             self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count)
 
+    def send_layout(self, transfer_id: str, fingerprint: bytes) -> None:
+        """Queue the transfer's LAYOUT frame; may block (backpressure)."""
+        self._enqueue(transfer_id, LAYOUT, memoryview(fingerprint))
+
     def finish(self, transfer_id: str) -> None:
         """All frames of the transfer are queued; the END frame tells the receiver how many."""
         self._enqueue(transfer_id, END, memoryview(b""))
@@ -122,7 +127,7 @@ class PeerLink:
                     self._transfers.pop(transfer_id, None)
                 return
             seq = transfer.num_frames
-            if kind == DATA:
+            if kind in COUNTED_KINDS:
                 transfer.num_frames += 1
                 transfer.num_bytes += len(payload)
         if not self._budget.acquire(len(payload), self._settings.send_timeout_s):

@@ -12,6 +12,7 @@ import ssl
 import threading
 
 from services.kv_transport.events import Frame, TransferDone, TransferFailed
+from services.kv_transport.protocol import block_frame_fields
 from services.kv_transport.receiver import Receiver
 from services.kv_transport.sender import PeerLink
 from services.kv_transport.settings import TransportSettings
@@ -44,6 +45,14 @@ class KVTransport:
              payload) -> None:
         """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``."""
         self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload)
+
+    def send_layout(self, peer: str, transfer_id: str, fingerprint: bytes) -> None:
+        """Queue the producer's KV layout fingerprint, which the consumer checks before writing blocks."""
+        self._link(peer).send_layout(transfer_id, fingerprint)
+
+    def send_block(self, peer: str, transfer_id: str, index: int, group: int, payload) -> None:
+        """Queue one whole block, the ``index``-th of the transfer (``Frame.block_index`` at the receiver)."""
+        self.send(peer, transfer_id, *block_frame_fields(index, group), payload)
 
     def finish(self, peer: str, transfer_id: str) -> None:
         """No more frames for this transfer; the receiver completes it once all have arrived."""

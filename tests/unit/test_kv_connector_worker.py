@@ -12,7 +12,7 @@ import pytest
 from services.kv_connector import worker as worker_module
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
-from services.kv_transport import Frame, TransferDone, TransferFailed
+from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
 
 
 class _Events:
@@ -40,7 +40,7 @@ def worker():
 
 def _frame(transfer_id: str) -> Frame:
     """The first frame a producer sends: its layout fingerprint (matches the worker's layout)."""
-    return Frame(transfer_id, worker_module.FINGERPRINT_LAYER, 0, 0, 0, memoryview(b"layout"))
+    return Frame(transfer_id, 0, 0, 0, 0, memoryview(b"layout"), protocol.LAYOUT)
 
 
 def _recv(req_id: str, transfer_id: str) -> RecvSpec:

@@ -69,6 +69,24 @@ def test_striped_transfer_reassembles_in_full(pair):
     assert rx.snapshot().bytes_received == sum(map(len, layers.values()))
 
 
+def test_a_layout_frame_and_whole_blocks_have_their_own_meaning_on_the_wire(pair):
+    """The layout fingerprint is a LAYOUT frame (counted by END like the data), not a fake layer;
+    a pool's one-block frames number their blocks with ``block_index``."""
+    rx, tx, peer = pair()
+    tx.send_layout(peer, "t-layout", b"fingerprint")
+    tx.send(peer, "t-layout", 0xFFFF, 0, 0, 1, b"k" * 64)
+    for index in range(3):
+        tx.send_block(peer, "t-layout", index, 1, bytes([index]) * 32)
+    tx.finish(peer, "t-layout")
+    frames, end = collect(rx, "t-layout")
+    assert isinstance(end, TransferDone) and len(frames) == 5
+    (layout,) = [f for f in frames if f.is_layout]
+    assert bytes(layout.payload) == b"fingerprint" and layout.kind == protocol.LAYOUT
+    assert [f.layer for f in frames if not f.is_layout and f.num_blocks == 1 and len(f.payload) == 64] == [0xFFFF]
+    blocks = sorted((f for f in frames if len(f.payload) == 32), key=lambda f: f.block_index)
+    assert [(f.block_index, f.group, bytes(f.payload)[0]) for f in blocks] == [(0, 1, 0), (1, 1, 1), (2, 1, 2)]
+
+
 def test_telemetry_samples_tcp_info(pair):
     rx, tx, peer = pair()
     tx.send(peer, "t-2", 0, 0, 0, 64, os.urandom(64 << 16))
@@ -136,7 +154,7 @@ def test_version_mismatch_is_refused_with_a_reason(pair, caplog):
         (length,) = struct.unpack("!H", protocol.recv_exactly(sock, 2))
         reason = protocol.recv_exactly(sock, length).decode()
     assert status == 1 and version == protocol.PROTOCOL_VERSION
-    assert "protocol version 2 is not supported" in reason
+    assert f"protocol version {protocol.PROTOCOL_VERSION + 1} is not supported" in reason
     time.sleep(0.1)
     assert any("refused KV connection" in r.getMessage() for r in caplog.records)
 

@@ -7,104 +7,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.config import DeploymentConfig
-from services.engine.types import WorkerStats
 from services.router.admission import PrefillQueues
 from services.router.metrics import RouterMetrics
 from services.router.reoptimize import ThresholdReoptimizer
 from services.router.workers import WorkerHandle, WorkerPool
-from services.scheduling.congestion import (STATES, CongestionAwareThreshold, CongestionControllerConfig,
-                                            LinkSample)
+from services.scheduling.congestion import STATES, CongestionAwareThreshold, CongestionControllerConfig
+from services.scheduling.link_signals import LinkSignals
 
 logger = logging.getLogger(__name__)
-
-SEGMENT_BYTES = 1448
-# A prefill worker's link telemetry rides on its engine's forward passes (a snapshot at most once a
-# second, none while the engine idles): figures older than this describe no current traffic.
-STALE_S = 3.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Totals:
-    bytes_sent: int
-    retransmits: int
-    transfers_failed: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Reading:
-    """One worker's link between its last two distinct telemetry snapshots, seen at ``at_s``."""
-
-    totals: _Totals
-    at_s: float
-    num_bytes: int = 0
-    num_retransmits: int = 0
-    elapsed_s: float = 0.0
-    rtt_increase_ms: float = 0.0
-
-
-class LinkSignals:
-    """Differences successive ``WorkerStats`` of the PrfaaS prefill workers into link samples. Rates
-    come from distinct snapshots (a poll that finds the same snapshot again repeats the previous
-    figures, up to ``STALE_S``, then reads as an idle link), so a poll interval shorter than the
-    snapshot interval does not alias into 0/2x rates, and a stale RTT does not read as congestion.
-    A worker is usable when it is healthy and none of its transfers failed since the previous poll."""
-
-    def __init__(self) -> None:
-        self._previous: dict[str, _Totals] = {}
-        self._readings: dict[str, _Reading] = {}
-        self._min_rtt_ms: dict[tuple[str, str], float] = {}
-
-    def sample(self, now_s: float, workers: list[tuple[str, bool, WorkerStats]]) -> LinkSample:
-        num_bytes = num_retransmits = num_queued = num_usable = 0
-        egress_bps = rtt_increase = 0.0
-        for name, healthy, stats in workers:
-            totals = _totals(stats)
-            previous = self._previous.get(name, totals)
-            self._previous[name] = totals
-            reading = self._read(name, now_s, totals, stats)
-            if now_s - reading.at_s <= STALE_S and reading.elapsed_s > 0:
-                num_bytes += reading.num_bytes
-                num_retransmits += reading.num_retransmits
-                egress_bps += reading.num_bytes * 8 / reading.elapsed_s
-                rtt_increase = max(rtt_increase, reading.rtt_increase_ms)
-            if healthy:
-                num_queued += stats.num_waiting_requests
-                num_usable += totals.transfers_failed <= previous.transfers_failed
-        return LinkSample(
-            now_s=now_s,
-            egress_gbps=egress_bps / 1e9,
-            retransmit_ratio=num_retransmits / max(num_bytes / SEGMENT_BYTES, 1.0),
-            rtt_increase_ms=rtt_increase,
-            num_queued=num_queued,
-            num_usable_workers=num_usable,
-        )
-
-    def _read(self, worker: str, now_s: float, totals: _Totals, stats: WorkerStats) -> _Reading:
-        last = self._readings.get(worker)
-        if last is not None and totals == last.totals:
-            return last
-        rtt_increase = self._rtt_increase(worker, stats)
-        reading = _Reading(totals, now_s)
-        if last is not None:
-            reading = _Reading(totals, now_s, num_bytes=max(totals.bytes_sent - last.totals.bytes_sent, 0),
-                               num_retransmits=max(totals.retransmits - last.totals.retransmits, 0),
-                               elapsed_s=min(now_s - last.at_s, STALE_S), rtt_increase_ms=rtt_increase)
-        self._readings[worker] = reading
-        return reading
-
-    def _rtt_increase(self, worker: str, stats: WorkerStats) -> float:
-        increase = 0.0
-        for link in stats.kv_links:
-            if link.rtt_ms <= 0:
-                continue
-            key = (worker, link.peer)
-            lowest = min(self._min_rtt_ms.get(key, link.rtt_ms), link.rtt_ms)
-            self._min_rtt_ms[key] = lowest
-            increase = max(increase, link.rtt_ms - lowest)
-        return increase
 
 
 class ThresholdControl:
@@ -170,9 +82,3 @@ def controller_config(config: DeploymentConfig) -> CongestionControllerConfig:
         rtt_increase_ms=s.congestion_rtt_increase_ms,
         queue_depth_per_worker=s.congestion_queue_depth,
     )
-
-
-def _totals(stats: WorkerStats) -> _Totals:
-    return _Totals(bytes_sent=sum(link.bytes_sent for link in stats.kv_links),
-                   retransmits=sum(link.retransmits for link in stats.kv_links),
-                   transfers_failed=sum(link.transfers_failed for link in stats.kv_links))

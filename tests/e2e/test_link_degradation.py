@@ -45,7 +45,7 @@ REQUEST_TIMEOUT_S = 90.0
 REACT_S = 30.0                  # the controller's reaction, stats interval and hold time included
 PHASE_S = 60.0                  # the longest wait for a phase's LONG_DECISIONS
 WINDOW_S = 8.0                  # how long routing is counted while the link is degraded or down
-SETTLE_S = 3.0                  # link telemetry's staleness bound (threshold_control.STALE_S)
+SETTLE_S = 3.0                  # link telemetry's staleness bound (scheduling/link_signals.py STALE_S)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import math
 import pytest
 from services.engine.types import LinkStats, WorkerStats
 
-from services.router.threshold_control import LinkSignals
+from services.scheduling.link_signals import LinkSignals
 from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig, LinkSample
 
 CONFIG = CongestionControllerConfig(base_threshold_tokens=1024, max_threshold_tokens=8192, link_capacity_gbps=10,

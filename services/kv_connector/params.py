@@ -26,7 +26,7 @@ class KvTransfer:
                                              "peer": self.peer}}}
 
     @classmethod
-    def of(cls, kv_transfer_params: dict | None) -> KvTransfer | None:
+    def of(cls, kv_transfer_params: dict[str, Any] | None) -> KvTransfer | None:
         raw = (kv_transfer_params or {}).get(KEY)
         if not raw:
             return None

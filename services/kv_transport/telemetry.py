@@ -85,7 +85,7 @@ class TransportSnapshot:
 
 @dataclass(slots=True)
 class _Connection:
-    info: dict | None = None
+    info: dict[str, int] | None = None
     sampled_at: float = 0.0
     bytes_sent: int = 0
 
@@ -116,7 +116,7 @@ class PeerTelemetry:
             self.frames_sent += 1
             self._connections.setdefault(conn_id, _Connection()).bytes_sent += num_bytes
 
-    def on_sample(self, conn_id: int, info: dict | None) -> None:
+    def on_sample(self, conn_id: int, info: dict[str, int] | None) -> None:
         with self._lock:
             connection = self._connections.setdefault(conn_id, _Connection())
             connection.info, connection.sampled_at = info, time.monotonic()

@@ -30,6 +30,7 @@ API_KEY = "container-test-key"
 BUILD_TIMEOUT_S = 2700
 START_TIMEOUT_S = 900
 GRACE_S = 60            # podman stop's grace period, as deploy/kubernetes gives the pods
+SHM_SIZE = "1g"          # as docs/deployment.md runs the image
 LONG_PROMPT_TOKENS = 256  # the image config's scheduler.offload_threshold_tokens
 
 pytestmark = [pytest.mark.e2e,
@@ -58,7 +59,8 @@ def container(image):
     name = f"prfaas-e2e-{os.getpid()}"
     port = free_port()
     podman("rm", "--force", "--volumes", name, check=False)
-    podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000",
+    # vLLM's engines need more than podman's default 64 MiB of /dev/shm (160 MiB each here).
+    podman("run", "--detach", "--name", name, "--shm-size", SHM_SIZE, "--publish", f"127.0.0.1:{port}:8000",
            "--env", f"PRFAAS_API_KEYS={API_KEY}", image)
     try:
         yield name, f"http://127.0.0.1:{port}"
@@ -111,7 +113,7 @@ def test_the_cpu_image_serves_the_embedded_default_and_stops_on_sigterm(containe
         openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
 
     offloaded = _metric(base, 'prfaas_router_routed_requests_total{path="prfaas"}')
-    long_prompt = " ".join(f"item {i} is a number;" for i in range(LONG_PROMPT_TOKENS))
+    long_prompt = " ".join(f"item {i} is a number;" for i in range(LONG_PROMPT_TOKENS // 4))  # ~2 tokens a word
     reply = client.completions.create(model="smollm2-135m-instruct", prompt=long_prompt, max_tokens=8,
                                       temperature=0)
     assert reply.usage.prompt_tokens > LONG_PROMPT_TOKENS

@@ -43,6 +43,9 @@ class TransferFailed:
     reason: str
 
 
+Event = Frame | TransferDone | TransferFailed
+
+
 class ByteBudget:
     """A counting limit in bytes. ``acquire`` blocks while the budget is spent; one item larger
     than the whole budget is still admitted when nothing else is held, so nothing deadlocks."""

@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Literal, NoReturn, overload
 
 import xxhash
 
@@ -48,6 +49,8 @@ HEADER = struct.Struct("!4sBBBxHHIIIQQ")
 _HELLO = struct.Struct("!4sH32s")
 _REPLY = struct.Struct("!4sHB")
 _NONCE = 32
+
+Bytes = bytes | bytearray | memoryview
 
 
 class ProtocolError(Exception):
@@ -82,7 +85,7 @@ def block_frame_fields(index: int, group: int) -> tuple[int, int, int, int]:
 
 
 def encode_header(kind: int, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-                  seq: int, payload) -> bytes:
+                  seq: int, payload: Bytes) -> bytes:
     tid = transfer_id.encode()
     if len(tid) > MAX_TRANSFER_ID_BYTES:
         raise ValueError(f"transfer id longer than {MAX_TRANSFER_ID_BYTES} bytes")
@@ -90,7 +93,7 @@ def encode_header(kind: int, transfer_id: str, layer: int, group: int, block_sta
                        len(payload), checksum(payload)) + tid
 
 
-def checksum(payload) -> int:
+def checksum(payload: Bytes) -> int:
     """xxh3-64 of the payload: catches corruption at memory speed (CRC32 would halve goodput)."""
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -104,7 +107,10 @@ def read_header(conn: socket.socket, max_frame_bytes: int) -> FrameHeader | None
     return finish_header(fields, recv_exactly(conn, fields[1]), max_frame_bytes)
 
 
-def unpack_fixed(raw) -> tuple:
+HeaderFields = tuple[int, int, int, int, int, int, int, int, int]
+
+
+def unpack_fixed(raw: Bytes) -> HeaderFields:
     """The fixed part of a header (``HEADER.size`` bytes), checked: (kind, length of the transfer id
     that follows, layer, group, block start, block count, seq, payload length, digest)."""
     magic, version, kind, tid_len, layer, group, start, count, seq, length, digest = HEADER.unpack(raw)
@@ -117,7 +123,7 @@ def unpack_fixed(raw) -> tuple:
     return kind, tid_len, layer, group, start, count, seq, length, digest
 
 
-def finish_header(fields: tuple, raw_tid, max_frame_bytes: int) -> FrameHeader:
+def finish_header(fields: HeaderFields, raw_tid: Bytes, max_frame_bytes: int) -> FrameHeader:
     kind, _, layer, group, start, count, seq, length, digest = fields
     transfer_id = bytes(raw_tid).decode(errors="replace")
     if length > max_frame_bytes:
@@ -125,11 +131,26 @@ def finish_header(fields: tuple, raw_tid, max_frame_bytes: int) -> FrameHeader:
     return FrameHeader(kind, transfer_id, layer, group, start, count, seq, length, digest)
 
 
+@overload
+def recv_exactly(conn: socket.socket, size: int, *, eof_ok: Literal[False] = False) -> bytes: ...
+@overload
+def recv_exactly(conn: socket.socket, size: int, *, eof_ok: bool) -> bytes | None: ...
+
+
 def recv_exactly(conn: socket.socket, size: int, *, eof_ok: bool = False) -> bytes | None:
+    """``size`` bytes from ``conn``; None when it closes first and ``eof_ok`` (else ProtocolError)."""
     buffer = bytearray(size)
     if recv_into_exactly(conn, memoryview(buffer), eof_ok=eof_ok) is None:
         return None
     return bytes(buffer)
+
+
+@overload
+def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: Literal[False] = False,
+                      flags: int = 0) -> memoryview: ...
+@overload
+def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool,
+                      flags: int = 0) -> memoryview | None: ...
 
 
 def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = False,
@@ -192,7 +213,7 @@ def server_handshake(conn: socket.socket, secret: bytes) -> None:
     conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0))
 
 
-def _refuse(conn: socket.socket, reason: str):
+def _refuse(conn: socket.socket, reason: str) -> NoReturn:
     data = reason.encode()
     try:
         conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 1) + struct.pack("!H", len(data)) + data)

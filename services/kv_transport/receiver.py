@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from services.kv_transport.events import ByteBudget, Frame, TransferDone, TransferFailed
+from services.kv_transport.events import ByteBudget, Event, Frame, TransferDone, TransferFailed
 from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, END, HEADER, FrameHeader, HandshakeRefused,
                                             ProtocolError, checksum, finish_header, read_header, recv_into_exactly,
                                             server_handshake, unpack_fixed)
@@ -42,6 +42,7 @@ MAX_FORGOTTEN = 4096
 IO_POLL_S = 0.5        # longest the I/O thread sleeps before it looks for stalled connections
 STAGING_WAIT_S = 0.5   # how long it waits for staging room before it checks whether it was closed
 READ_AHEAD_BYTES = 4096  # read at once while looking for a header; what belongs to a payload is copied
+_NO_PAYLOAD = memoryview(b"")  # a connection's payload between frames
 
 
 @dataclass(slots=True)
@@ -61,10 +62,10 @@ class _Connection:
     start: int = 0                     # unparsed bytes are buffer[start:end]
     end: int = 0
     header: FrameHeader | None = None  # set while the payload is read
-    payload: memoryview | None = None
+    payload: memoryview = _NO_PAYLOAD  # the payload being read, while ``header`` is set
     got: int = 0                       # payload bytes in
     progress_at: float = 0.0           # last time a byte came in the middle of a frame
-    seen: set = field(default_factory=set)  # transfers with frames on this connection
+    seen: set[str] = field(default_factory=set)  # transfers with frames on this connection
 
     @property
     def mid_frame(self) -> bool:
@@ -75,7 +76,7 @@ class Receiver:
     def __init__(self, settings: TransportSettings, host: str, port: int, tls: ssl.SSLContext | None) -> None:
         self._settings = settings
         self._tls = tls
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.staging = ByteBudget(settings.max_staging_bytes)
         self._lock = threading.Lock()
         self._progress: dict[str, _Progress] = {}
@@ -179,9 +180,9 @@ class Receiver:
                     if fd == self._wakeup.fd:
                         self._wakeup.drain()
                         while self._joining:
-                            conn = self._joining.popleft()
-                            conns[conn.sock.fileno()] = conn
-                            poller.register(conn.sock, select.EPOLLIN)
+                            joined = self._joining.popleft()
+                            conns[joined.sock.fileno()] = joined
+                            poller.register(joined.sock, select.EPOLLIN)
                     elif (conn := conns.get(fd)) is not None:
                         try:
                             self._read_some(conn)
@@ -250,7 +251,7 @@ class Receiver:
         conn.seen.add(header.transfer_id)
         self._stage(header.length)
         conn.header = header
-        conn.payload = memoryview(numpy.empty(header.length, numpy.uint8))  # not zero-filled: it is overwritten
+        conn.payload = numpy.empty(header.length, numpy.uint8).data  # not zero-filled: it is overwritten
         conn.got = min(header.length, conn.end - conn.start)
         conn.payload[:conn.got] = head[conn.start:conn.start + conn.got]
         conn.start += conn.got
@@ -260,7 +261,8 @@ class Receiver:
 
     def _complete(self, conn: _Connection) -> None:
         header, payload = conn.header, conn.payload
-        conn.header, conn.payload, conn.got = None, None, 0
+        assert header is not None, "a connection completes only a frame it started"
+        conn.header, conn.payload, conn.got = None, _NO_PAYLOAD, 0
         self._on_payload(header, payload, conn.peer, conn.seen)
         if len(conn.seen) > 1024:
             conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
@@ -275,7 +277,8 @@ class Receiver:
                 raise _Closed("receiver closed")
         self._resumed_at = time.monotonic()
 
-    def _drop(self, conn: _Connection, exc: Exception, conns: dict, poller) -> None:
+    def _drop(self, conn: _Connection, exc: Exception, conns: dict[int, _Connection],
+              poller: select.epoll) -> None:
         conns.pop(conn.sock.fileno(), None)
         poller.unregister(conn.sock)
         self._release_partial(conn)
@@ -288,9 +291,9 @@ class Receiver:
     def _release_partial(self, conn: _Connection) -> None:
         if conn.header is not None:
             self.staging.release(conn.header.length)
-            conn.header = conn.payload = None
+            conn.header, conn.payload = None, _NO_PAYLOAD
 
-    def _check_stalled(self, conns: dict, poller) -> None:
+    def _check_stalled(self, conns: dict[int, _Connection], poller: select.epoll) -> None:
         now, limit = time.monotonic(), self._settings.io_timeout_s
         for conn in list(conns.values()):
             if conn.mid_frame and now - max(conn.progress_at, self._resumed_at) > limit:
@@ -310,7 +313,7 @@ class Receiver:
                 conn.settimeout(self._settings.io_timeout_s)
                 seen.add(header.transfer_id)
                 self.staging.acquire(header.length)
-                payload = memoryview(numpy.empty(header.length, numpy.uint8))
+                payload = numpy.empty(header.length, numpy.uint8).data
                 try:
                     recv_into_exactly(conn, payload)
                 except BaseException:
@@ -324,7 +327,7 @@ class Receiver:
 
     def _broken(self, peer: str, seen: set[str], exc: Exception) -> None:
         """A connection's stream broke: every incomplete transfer seen on it fails."""
-        if getattr(exc, "transfer_id", None):
+        if isinstance(exc, ProtocolError) and exc.transfer_id:
             seen.add(exc.transfer_id)
         self.frames_rejected += 1
         logger.warning("KV connection from %s dropped: %s", peer, exc)

@@ -32,8 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.kv_transport.events import ByteBudget
-from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, HandshakeRefused, client_handshake,
-                                            encode_header)
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, Bytes, HandshakeRefused,
+                                            client_handshake, encode_header)
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.telemetry import Clock, PeerTelemetry, tcp_info
 from services.kv_transport.wakeup import WakePipe
@@ -87,7 +87,7 @@ class PeerLink:
     # Called by the user (any thread) ------------------------------------------------------------
 
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: memoryview) -> None:
+             payload: Bytes) -> None:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure)."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
@@ -172,7 +172,7 @@ class PeerLink:
             while True:
                 busy = False
                 for conn in conns:
-                    if conn.watched and conn.sock.fileno() not in writable:
+                    if conn.watched and conn.connected.fileno() not in writable:
                         busy = True  # still no room: no point trying
                     else:
                         busy |= self._drive(conn, poller)
@@ -199,17 +199,17 @@ class PeerLink:
             poller.close()
             self._wakeup.close()
 
-    def _drive(self, conn: "_Connection", poller) -> bool:
+    def _drive(self, conn: "_Connection", poller: select.epoll) -> bool:
         """Send what this connection can without blocking, taking new frames while its socket has
         room; True while it holds a frame it could not finish (it waits for room)."""
         while True:
             if conn.item is None and not self._take(conn, poller):
                 return False
             try:
-                if not _send_some(conn.sock, conn.views):
+                if not _send_some(conn.connected, conn.views):
                     conn.waiting_since = conn.waiting_since or time.monotonic()
                     if not conn.watched:
-                        poller.modify(conn.sock, select.EPOLLOUT)
+                        poller.modify(conn.connected, select.EPOLLOUT)
                         conn.watched = True
                     return True
             except (OSError, ssl.SSLError) as exc:
@@ -217,11 +217,11 @@ class PeerLink:
                 continue
             conn.waiting_since = 0.0
             if conn.watched:
-                poller.modify(conn.sock, 0)
+                poller.modify(conn.connected, 0)
                 conn.watched = False
             self._sent(conn)
 
-    def _take(self, conn: "_Connection", poller) -> bool:
+    def _take(self, conn: "_Connection", poller: select.epoll) -> bool:
         """Give an idle connection the next frame to send (connecting first when needed)."""
         while (item := self._pop()) is not None:
             if conn.sock is not None and time.monotonic() - conn.used_at > IDLE_CHECK_S and _hung_up(conn.sock):
@@ -248,10 +248,11 @@ class PeerLink:
 
     def _sent(self, conn: "_Connection") -> None:
         item, conn.item, conn.views = conn.item, None, []
+        assert item is not None, "a connection finishes only a frame it holds"
         conn.used_at = time.monotonic()
         self.telemetry.on_sent(conn.conn_id, conn.size)
         if conn.clock.due():
-            info = tcp_info(conn.sock)
+            info = tcp_info(conn.connected)
             self.telemetry.on_sample(conn.conn_id, info)
             self._tune_notsent_lowat(conn, info)
         if item.kind == END:
@@ -259,7 +260,7 @@ class PeerLink:
             conn.used_by.discard(item.transfer_id)
         self._release(item)
 
-    def _tune_notsent_lowat(self, conn: "_Connection", info: dict | None) -> None:
+    def _tune_notsent_lowat(self, conn: "_Connection", info: dict[str, int] | None) -> None:
         """Unsent bytes worth ``notsent_queue_ms`` at the connection's rate (see settings). The rate
         is TCP's pacing rate, its estimate of what the path carries: delivery-rate samples taken while
         the connection had nothing to send would shrink the queue of an idle fast connection."""
@@ -269,15 +270,15 @@ class PeerLink:
         ceiling = self._settings.notsent_lowat_bytes
         target = int(min(ceiling, max(MIN_NOTSENT_LOWAT, rate * self._settings.notsent_queue_ms / 1000)))
         if abs(target - conn.notsent_lowat) > conn.notsent_lowat // 4:
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, target)
+            conn.connected.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, target)
             conn.notsent_lowat = target
 
-    def _drop(self, conn: "_Connection", poller, reason: str) -> None:
+    def _drop(self, conn: "_Connection", poller: select.epoll, reason: str) -> None:
         """A broken connection: close it and fail every transfer that used it."""
         item, conn.item, conn.views = conn.item, None, []
         failed = conn.used_by | ({item.transfer_id} if item is not None else set())
-        poller.unregister(conn.sock)
-        conn.sock.close()
+        poller.unregister(conn.connected)
+        conn.connected.close()
         conn.sock, conn.watched, conn.waiting_since, conn.used_by = None, False, 0.0, set()
         self.telemetry.on_closed(conn.conn_id)
         if item is not None:
@@ -285,7 +286,7 @@ class PeerLink:
         for transfer_id in failed:
             self._fail(transfer_id, reason)
 
-    def _check_stalled(self, conns: list["_Connection"], poller) -> None:
+    def _check_stalled(self, conns: list["_Connection"], poller: select.epoll) -> None:
         now = time.monotonic()
         for conn in conns:
             if conn.waiting_since and now - conn.waiting_since > self._settings.io_timeout_s:
@@ -343,16 +344,22 @@ class _Connection:
     clock: Clock
     sock: socket.socket | None = None
     item: _Outgoing | None = None
-    views: list = field(default_factory=list)   # what is left to send of ``item`` (header, payload)
+    views: list[memoryview] = field(default_factory=list)  # what is left to send of ``item`` (header, payload)
     size: int = 0
-    used_by: set = field(default_factory=set)   # transfers with frames sent on this socket
-    watched: bool = False                        # registered for EPOLLOUT
-    waiting_since: float = 0.0                   # blocked on a full socket since (0: not blocked)
-    used_at: float = 0.0                         # when it last finished a frame
-    notsent_lowat: int = 0                       # its TCP_NOTSENT_LOWAT now
+    used_by: set[str] = field(default_factory=set)  # transfers with frames sent on this socket
+    watched: bool = False                           # registered for EPOLLOUT
+    waiting_since: float = 0.0                      # blocked on a full socket since (0: not blocked)
+    used_at: float = 0.0                            # when it last finished a frame
+    notsent_lowat: int = 0                          # its TCP_NOTSENT_LOWAT now
+
+    @property
+    def connected(self) -> socket.socket:
+        """The socket, which a connection that holds or waits on a frame always has."""
+        assert self.sock is not None, f"KV connection {self.conn_id} is not connected"
+        return self.sock
 
 
-def _send_some(sock: socket.socket, views: list) -> bool:
+def _send_some(sock: socket.socket, views: list[memoryview]) -> bool:
     """Send from ``views`` (consumed in place) until done (True) or the socket is full (False)."""
     tls = isinstance(sock, ssl.SSLSocket)
     while views:

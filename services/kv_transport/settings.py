@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
+_T = TypeVar("_T")
 
 
 class SettingsError(ValueError):
@@ -11,7 +14,7 @@ class SettingsError(ValueError):
     reports it as a configuration error; this package depends on no other of the project.)"""
 
 
-def _opt(default, help: str):
+def _opt(default: _T, help: str) -> _T:
     return field(default=default, metadata={"help": help})
 
 
@@ -57,20 +60,20 @@ class TransportSettings:
     telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
 
     @classmethod
-    def of(cls, raw: dict | None) -> "TransportSettings":
-        raw = dict(raw or {})
+    def of(cls, raw: Mapping[str, object] | None) -> "TransportSettings":
+        values: dict[str, Any] = dict(raw or {})  # each checked below against its field's type
         known = {f.name: f for f in fields(cls)}
-        for key, value in raw.items():
+        for key, value in values.items():
             if key not in known:
                 raise SettingsError(f"transport.{key}: unknown key (known: {', '.join(known)})")
             expected = type(known[key].default)
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                raw[key] = value = float(value)
+                values[key] = value = float(value)
             if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
                 raise SettingsError(f"transport.{key}: expected {expected.__name__}, got {value!r}")
-            if expected in (int, float) and value <= 0:
+            if expected in (int, float) and isinstance(value, (int, float)) and value <= 0:
                 raise SettingsError(f"transport.{key}: must be positive, got {value!r}")
-        settings = cls(**raw)
+        settings = cls(**values)
         if settings.notsent_lowat_bytes >= 1 << 31:
             raise SettingsError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
                               "kernel's socket option (below 2 GiB)")
@@ -84,7 +87,7 @@ class TransportSettings:
             raise SettingsError("transport.tls_cert: tls_cert, tls_key and tls_ca go together")
         return settings
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property

@@ -11,8 +11,8 @@ import queue
 import ssl
 import threading
 
-from services.kv_transport.events import Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import block_frame_fields
+from services.kv_transport.events import Event, Frame, TransferDone, TransferFailed
+from services.kv_transport.protocol import Bytes, block_frame_fields
 from services.kv_transport.receiver import Receiver
 from services.kv_transport.sender import PeerLink
 from services.kv_transport.settings import TransportSettings
@@ -42,7 +42,7 @@ class KVTransport:
         return self._receiver.port if self._receiver else None
 
     def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload) -> None:
+             payload: Bytes) -> None:
         """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``."""
         self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload)
 
@@ -50,7 +50,7 @@ class KVTransport:
         """Queue the producer's KV layout fingerprint, which the consumer checks before writing blocks."""
         self._link(peer).send_layout(transfer_id, fingerprint)
 
-    def send_block(self, peer: str, transfer_id: str, index: int, group: int, payload) -> None:
+    def send_block(self, peer: str, transfer_id: str, index: int, group: int, payload: Bytes) -> None:
         """Queue one whole block, the ``index``-th of the transfer (``Frame.block_index`` at the receiver)."""
         self.send(peer, transfer_id, *block_frame_fields(index, group), payload)
 
@@ -58,11 +58,12 @@ class KVTransport:
         """No more frames for this transfer; the receiver completes it once all have arrived."""
         self._link(peer).finish(transfer_id)
 
-    def poll(self, wait_s: float = 0.0) -> list:
+    def poll(self, wait_s: float = 0.0) -> list[Event]:
         """Events received so far, in arrival order; waits up to ``wait_s`` for the first one."""
         if self._receiver is None:
             return []
-        events, source = [], self._receiver.events
+        events: list[Event] = []
+        source = self._receiver.events
         try:
             events.append(source.get(timeout=wait_s) if wait_s > 0 else source.get_nowait())
             while True:

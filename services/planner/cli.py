@@ -1,6 +1,7 @@
 """`prfaas plan`: the PrfaaS throughput planner (threshold and prefill/decode split)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "planner" / "case_study.yaml"
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="plan a PrfaaS deployment: length threshold and prefill/decode split",
@@ -25,7 +26,7 @@ def register(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def _run(args: argparse.Namespace) -> int:
     from services.planner.inputs import PlanInputError, load_plan_inputs
     from services.planner.report import format_plan, plan_to_dict, run_plan
 

@@ -19,6 +19,9 @@ TOP_LEVEL_KEYS = ("model", "gpus_per_instance", "workload", "profiles", "interpo
                   "paper_results")
 
 
+Node = dict[str, object]  # a YAML mapping
+
+
 class PlanInputError(ValueError):
     """A planner input that cannot be used; the message is one line naming the key."""
 
@@ -190,24 +193,26 @@ def _profiles(raw: Any) -> tuple[dict[str, PrefillProfile], dict[str, DecodeProf
     return prefill, decode
 
 
-def _prefill_profile(name: str, node: dict) -> PrefillProfile:
+def _prefill_profile(name: str, node: Node) -> PrefillProfile:
     path = f"profiles.{name}"
     lengths = _table(node, "lengths", path, positive=True)
     if len(lengths) < 2:
         raise PlanInputError(f"{path}.lengths: needs at least 2 points, got {len(lengths)}")
     if any(b <= a for a, b in zip(lengths, lengths[1:])):
         raise PlanInputError(f"{path}.lengths: must be strictly increasing")
-    columns = {"kv_size_mib": None}
-    for key in ("latency_s", "kv_size_mib"):
-        if key == "kv_size_mib" and key not in node:
-            continue
-        column = _table(node, key, path, positive=key == "latency_s")
-        if len(column) != len(lengths):
-            raise PlanInputError(f"{path}.{key}: must have {len(lengths)} entries like lengths, got {len(column)}")
-        if any(b < a for a, b in zip(column, column[1:])):
-            raise PlanInputError(f"{path}.{key}: must be non-decreasing")
-        columns[key] = column
-    return PrefillProfile(name, lengths, columns["latency_s"], columns["kv_size_mib"])
+    latency_s = _column(node, "latency_s", path, len(lengths), positive=True)
+    kv_size_mib = _column(node, "kv_size_mib", path, len(lengths), positive=False) if "kv_size_mib" in node else None
+    return PrefillProfile(name, lengths, latency_s, kv_size_mib)
+
+
+def _column(node: Node, key: str, path: str, num_lengths: int, positive: bool) -> tuple[float, ...]:
+    """A profile's non-decreasing column, one entry per length."""
+    column = _table(node, key, path, positive)
+    if len(column) != num_lengths:
+        raise PlanInputError(f"{path}.{key}: must have {num_lengths} entries like lengths, got {len(column)}")
+    if any(b < a for a, b in zip(column, column[1:])):
+        raise PlanInputError(f"{path}.{key}: must be non-decreasing")
+    return column
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +220,13 @@ class _ProfileRefs:
     prefill: dict[str, PrefillProfile]
     decode: dict[str, DecodeProfile]
 
-    def get(self, node: dict, key: str, path: str, kind: str, needs_kv: bool = False) -> str:
-        known = self.prefill if kind == "prefill" else self.decode
+    def get(self, node: Node, key: str, path: str, kind: str, needs_kv: bool = False) -> str:
+        known: dict[str, PrefillProfile] | dict[str, DecodeProfile] = self.prefill if kind == "prefill" else self.decode
         name = _required(node, key, path)
-        if name not in known:
+        if not isinstance(name, str) or name not in known:
             raise PlanInputError(f"{path}.{key}: unknown {kind} profile {name!r} "
                                  f"(known: {', '.join(sorted(known)) or 'none'})")
-        if needs_kv and known[name].kv_size_mib is None:
+        if needs_kv and self.prefill[name].kv_size_mib is None:
             raise PlanInputError(f"{path}.{key}: profile {name!r} has no kv_size_mib, needed for cross-cluster KV")
         return name
 
@@ -276,7 +281,7 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _mapping(raw: Any, path: str, allowed: tuple[str, ...] | None = None) -> dict:
+def _mapping(raw: Any, path: str, allowed: tuple[str, ...] | None = None) -> Node:
     if not isinstance(raw, dict):
         raise PlanInputError(f"{path or 'config'}: expected a mapping, got {_kind(raw)}")
     if allowed is not None:
@@ -286,13 +291,13 @@ def _mapping(raw: Any, path: str, allowed: tuple[str, ...] | None = None) -> dic
     return raw
 
 
-def _required(node: dict, key: str, path: str) -> Any:
+def _required(node: Node, key: str, path: str) -> object:
     if node.get(key) is None:
         raise PlanInputError(f"{_join(path, key)}: required key is missing")
     return node[key]
 
 
-def _number(node: dict, key: str, path: str, positive: bool = False) -> float:
+def _number(node: Node, key: str, path: str, positive: bool = False) -> float:
     value = _required(node, key, path)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanInputError(f"{_join(path, key)}: expected a number, got {value!r}")
@@ -301,7 +306,7 @@ def _number(node: dict, key: str, path: str, positive: bool = False) -> float:
     return float(value)
 
 
-def _count(node: dict, key: str, path: str, minimum: int = 1) -> int:
+def _count(node: Node, key: str, path: str, minimum: int = 1) -> int:
     value = _required(node, key, path)
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanInputError(f"{_join(path, key)}: expected an integer, got {value!r}")
@@ -311,7 +316,7 @@ def _count(node: dict, key: str, path: str, minimum: int = 1) -> int:
     return value
 
 
-def _table(node: dict, key: str, path: str, positive: bool) -> tuple[float, ...]:
+def _table(node: Node, key: str, path: str, positive: bool) -> tuple[float, ...]:
     values = _required(node, key, path)
     if not isinstance(values, list) or not values:
         raise PlanInputError(f"{_join(path, key)}: expected a non-empty list of numbers, got {values!r}")
@@ -321,11 +326,11 @@ def _table(node: dict, key: str, path: str, positive: bool) -> tuple[float, ...]
     return column
 
 
-def _choice(node: dict, key: str, path: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+def _choice(node: Node, key: str, path: str, allowed: tuple[str, ...], default: str | None = None) -> str:
     value = node.get(key, default)
     if value is None:
         raise PlanInputError(f"{_join(path, key)}: required key is missing")
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise PlanInputError(f"{_join(path, key)}: {value!r} is not supported (allowed: {', '.join(allowed)})")
     return value
 

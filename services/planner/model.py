@@ -104,10 +104,10 @@ class PrfaasModel:
         d = self.distribution
         l_long, l_short = d.mean_above(t), d.mean_below(t)
         if self.exact:
-            long_s, long_kv = d.expect_above(self.prfaas.latency_s, t), d.expect_above(self.prfaas.kv_bytes, t)
+            long_s, long_kv = d.expect_above(self.prfaas.latency_s, t), d.expect_above(self.prfaas.kv_sizes, t)
             short_s = d.expect_below(self.local.latency_s, t)
         else:
-            long_s, long_kv = self.prfaas.latency_s(l_long), self.prfaas.kv_bytes(l_long)
+            long_s, long_kv = self.prfaas.latency_s(l_long), self.prfaas.kv_sizes(l_long)
             short_s = self.local.latency_s(l_short)
         return ThresholdStats(t, d.sf(t), l_long, l_short, long_s, long_kv, short_s)
 
@@ -144,4 +144,4 @@ class PrfaasModel:
     def offloaded_kv_bytes_per_request(self, t: float) -> float:
         """E[S_kv(L); L > t]: KV bytes the link carries per arriving request (always exact)."""
         d = self.distribution
-        return d.partial_expect(self.prfaas.kv_bytes, t, d.hi)
+        return d.partial_expect(self.prfaas.kv_sizes, t, d.hi)

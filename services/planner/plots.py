@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 from services.planner.model import PrfaasModel
 from services.planner.report import PlanResult
@@ -14,7 +15,7 @@ class MatplotlibMissing(RuntimeError):
     pass
 
 
-def import_pyplot():
+def import_pyplot() -> ModuleType:
     try:
         import matplotlib
     except ImportError:

@@ -62,8 +62,13 @@ class PrefillCurves:
             kv = PiecewiseLinear(profile.lengths, tuple(v * MIB for v in profile.kv_size_mib))
         return cls(profile.name, PiecewiseLinear(profile.lengths, profile.latency_s), kv)
 
-    def phi_kv_gbps(self, length: float) -> float:
-        """KV throughput a busy instance emits, Phi_kv(l) = S_kv(l) / T_prefill(l), in Gbit/s."""
+    @property
+    def kv_sizes(self) -> PiecewiseLinear:
+        """``kv_bytes`` of a profile that has KV sizes (every profile whose KV crosses clusters)."""
         if self.kv_bytes is None:
             raise ValueError(f"profile {self.name!r} has no KV sizes")
-        return self.kv_bytes(length) * 8 / self.latency_s(length) / 1e9
+        return self.kv_bytes
+
+    def phi_kv_gbps(self, length: float) -> float:
+        """KV throughput a busy instance emits, Phi_kv(l) = S_kv(l) / T_prefill(l), in Gbit/s."""
+        return self.kv_sizes(length) * 8 / self.latency_s(length) / 1e9

@@ -135,4 +135,4 @@ def format_plan(out: dict[str, Any]) -> str:
 def _binding(prfaas_limit: float, local_limit: float, decode_limit: float, link_binds: bool) -> str:
     prfaas = "the cross-cluster link" if link_binds else "PrfaaS prefill"
     limits = {prfaas: prfaas_limit, "local prefill": local_limit, "decode": decode_limit}
-    return min(limits, key=limits.get)
+    return min(limits, key=limits.__getitem__)

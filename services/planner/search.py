@@ -113,9 +113,9 @@ def naive_plan(inputs: PlanInputs, exact: bool = False) -> NaivePlan | None:
     dist = TruncatedLogNormal.from_spec(inputs.workload.input_length)
     curves = PrefillCurves.from_profile(inputs.prefill_profiles[deployment.prefill_profile])
     if exact:
-        prefill_s, kv_bytes = dist.expect(curves.latency_s), dist.expect(curves.kv_bytes)
+        prefill_s, kv_bytes = dist.expect(curves.latency_s), dist.expect(curves.kv_sizes)
     else:
-        prefill_s, kv_bytes = curves.latency_s(dist.mean), curves.kv_bytes(dist.mean)
+        prefill_s, kv_bytes = curves.latency_s(dist.mean), curves.kv_sizes(dist.mean)
     decode_rate = decode_rate_per_instance(inputs.decode_profiles[deployment.decode_profile],
                                            inputs.workload.output_tokens)
     return NaivePlan(deployment.num_prefill / prefill_s,

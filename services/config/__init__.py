@@ -1,5 +1,6 @@
 """Deployment configuration: one YAML file per deployment, loaded into frozen dataclasses."""
-from services.config.load import ConfigError, load_config, parse_config
+from services.config.errors import ConfigError
+from services.config.load import load_config, parse_config
 from services.config.schema import (
     CachePoolConfig,
     DeploymentConfig,

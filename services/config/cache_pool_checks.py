@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from services.config.errors import ConfigError
+from services.config.schema import CachePoolConfig, DeploymentConfig
+
+Endpoint = tuple[str, int]
 
 
-def check_cache_pools(config) -> None:
-    taken = {(config.router.host, config.router.port)}
+def check_cache_pools(config: DeploymentConfig) -> None:
+    taken: set[Endpoint] = {(config.router.host, config.router.port)}
     taken |= {(w.host, port) for w in config.workers
               for port in (w.port, w.kv_port, w.health_port) if port is not None}
     names: set[str] = set()
@@ -25,7 +28,7 @@ def check_cache_pools(config) -> None:
                 raise ConfigError(f"{path}.{key}: must be positive, got {getattr(pool, key)!r}")
 
 
-def _check_port(pool, key: str, path: str, taken: set) -> None:
+def _check_port(pool: CachePoolConfig, key: str, path: str, taken: set[Endpoint]) -> None:
     port = getattr(pool, key)
     if port is None:
         return

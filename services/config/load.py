@@ -9,12 +9,18 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from services.config.deployment_checks import check_deployment
 from services.config.errors import ConfigError
 from services.config.schema import DeploymentConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 def load_config(path: str | Path) -> DeploymentConfig:
@@ -33,11 +39,11 @@ def load_config(path: str | Path) -> DeploymentConfig:
 
 def parse_config(raw: Any) -> DeploymentConfig:
     config = build(DeploymentConfig, raw, "")
-    config.validate()
+    check_deployment(config)
     return config
 
 
-def build(cls: type, raw: Any, path: str) -> Any:
+def build(cls: type[_D], raw: Any, path: str) -> _D:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -62,7 +68,7 @@ def build(cls: type, raw: Any, path: str) -> Any:
 
 def convert(hint: Any, value: Any, path: str) -> Any:
     origin = get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, path)
     if origin is Literal:
         allowed = get_args(hint)
@@ -87,7 +93,7 @@ def _convert_optional(hint: Any, value: Any, path: str) -> Any:
     return convert(options[0], value, path)
 
 
-def _convert_tuple(hint: Any, value: Any, path: str) -> tuple:
+def _convert_tuple(hint: Any, value: Any, path: str) -> tuple[Any, ...]:
     if not isinstance(value, list):
         raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
     (item,) = [arg for arg in get_args(hint) if arg is not Ellipsis]

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from services.config.errors import ConfigError
+from services.config.schema import RoleFlipsConfig, SchedulerConfig
 
 PATHS = ("local", "pd", "prfaas")
 
 
-def check_scheduler(config) -> None:
+def check_scheduler(config: SchedulerConfig) -> None:
     _check_admission(config)
     _check_qos_classes(config)
     _check_adaptive(config)
@@ -14,7 +15,7 @@ def check_scheduler(config) -> None:
     _check_role_flips(config.role_flips)
 
 
-def _check_admission(config) -> None:
+def _check_admission(config: SchedulerConfig) -> None:
     _at_least(config.max_in_flight_requests, 0, "scheduler.max_in_flight_requests")
     _at_least(config.retry_after_s, 1, "scheduler.retry_after_s")
     for path, rate in config.prefill_tokens_per_s.items():
@@ -25,7 +26,7 @@ def _check_admission(config) -> None:
             raise ConfigError(f"{key}: expected a positive number, got {rate!r}")
 
 
-def _check_qos_classes(config) -> None:
+def _check_qos_classes(config: SchedulerConfig) -> None:
     names: list[str] = []
     keys: set[str] = set()
     for i, qos in enumerate(config.qos_classes):
@@ -50,7 +51,7 @@ def _check_qos_classes(config) -> None:
                           f"class (allowed: {', '.join(allowed)})")
 
 
-def _check_adaptive(config) -> None:
+def _check_adaptive(config: SchedulerConfig) -> None:
     if config.link_capacity_gbps <= 0:
         raise ConfigError(f"scheduler.link_capacity_gbps: expected a positive number, got {config.link_capacity_gbps}")
     if not 0 < config.threshold_lower_utilization < config.threshold_raise_utilization:
@@ -69,7 +70,7 @@ def _check_adaptive(config) -> None:
                           f"offload_threshold_tokens ({config.offload_threshold_tokens})")
 
 
-def _check_placement(config) -> None:
+def _check_placement(config: SchedulerConfig) -> None:
     _at_least(config.cache_block_size, 1, "scheduler.cache_block_size")
     if not config.cache_kv_groups:
         raise ConfigError("scheduler.cache_kv_groups: must list at least one group")
@@ -81,7 +82,7 @@ def _check_placement(config) -> None:
     _fraction(config.decode_kv_limit, "scheduler.decode_kv_limit")
 
 
-def _check_role_flips(flips) -> None:
+def _check_role_flips(flips: RoleFlipsConfig) -> None:
     for key in ("min_dwell_s", "sustain_s", "max_drain_s"):
         _at_least(getattr(flips, key), 0, f"scheduler.role_flips.{key}")
     if not 0 <= flips.prefill_queue_low < flips.prefill_queue_high:
@@ -93,11 +94,11 @@ def _check_role_flips(flips) -> None:
     _at_least(flips.min_workers_per_role, 1, "scheduler.role_flips.min_workers_per_role")
 
 
-def _fraction(value, key: str) -> None:
+def _fraction(value: float, key: str) -> None:
     if not 0 < value <= 1:
         raise ConfigError(f"{key}: {value} is not within (0, 1]")
 
 
-def _at_least(value, low, key: str) -> None:
+def _at_least(value: float, low: float, key: str) -> None:
     if value < low:
         raise ConfigError(f"{key}: must be at least {low}, got {value}")

@@ -1,17 +1,23 @@
 """The deployment configuration tree. Every field's ``help`` is its documentation."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from services.config.errors import ConfigError
 
+_T = TypeVar("_T")
 
-def _opt(default, help: str, **kwargs):
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def _opt(default: _T, help: str) -> _T:
     if isinstance(default, (dict, list)):
-        kind = type(default)
-        return field(default_factory=lambda: kind(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: copy.copy(default), metadata=_help(help))
+    return field(default=default, metadata=_help(help))
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +48,9 @@ class EngineConfig:
     seed: int = _opt(0, "Engine random seed (sampling without a per-request seed).")
 
 
-def _required(help: str):
-    return field(metadata={"help": help})
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
-    name: str = _required("Unique worker name, used in logs, metrics and `prfaas <service> --name`.")
+    name: str = field(metadata=_help("Unique worker name, used in logs, metrics and `prfaas <service> --name`."))
     service: Literal["prefill_worker", "decode_worker"] = _opt(
         "decode_worker",
         "`prefill_worker`: a PrfaaS-cluster prefill worker; `decode_worker`: a local PD-cluster worker.",
@@ -58,16 +60,17 @@ class WorkerConfig:
     )
     cluster: Literal["prfaas", "local"] = _opt("local", "Which cluster the worker belongs to.")
     host: str = _opt("127.0.0.1", "Address the worker's gRPC server binds and the router dials.")
-    port: int = _required("gRPC port of the worker.")
+    port: int = field(metadata=_help("gRPC port of the worker."))
     kv_port: int | None = _opt(
         None, "KV data-plane port (TCP) where the worker receives streamed KV; needed on workers that "
         "decode requests prefilled elsewhere (the PrfaaS and PD-P paths).")
     health_port: int | None = _opt(
         None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
         "probes); it tells whether the worker is SERVING and nothing else. Null: health on `port` only.")
-    engine: dict = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
-    env: dict = _opt({}, "Environment variables set in the worker process before its engine starts "
-                     "(e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their own cores).")
+    engine: dict[str, object] = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
+    env: dict[object, object] = _opt({}, "Environment variables set in the worker process before its engine "
+                                     "starts (e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their "
+                                     "own cores).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QosClassConfig:
-    name: str = _required("Class name, as clients send it in the `X-PrfaaS-QoS` header.")
+    name: str = field(metadata=_help("Class name, as clients send it in the `X-PrfaaS-QoS` header."))
     priority: int = _opt(0, "Higher is more important: lower-priority classes are rejected first as load grows.")
     reserved_fraction: float = _opt(
         0.0, "Fraction of the admission capacity kept for this class and higher ones (0..1); lower classes "
@@ -142,7 +145,7 @@ class SchedulerConfig:
     max_in_flight_requests: int = _opt(
         0, "Admission capacity: requests the router runs at once. 0: `engine.max_num_seqs` per healthy "
         "generating worker.")
-    prefill_tokens_per_s: dict = _opt(
+    prefill_tokens_per_s: dict[str, float] = _opt(
         {}, "Prefill rate per path (`local`, `pd`, `prfaas`) in tokens/s for TTFT prediction until the router "
         "has measured it from finished prefills; paths without a rate or measurement skip the TTFT check.")
     retry_after_s: int = _opt(1, "`Retry-After` seconds of capacity and 503 rejections (TTFT rejections "
@@ -202,19 +205,15 @@ class SchedulerConfig:
     decode_kv_limit: float = _opt(0.95, "Highest predicted KV usage (0..1) at a request's completion.")
     role_flips: RoleFlipsConfig = _opt(RoleFlipsConfig(), "Long-timescale flips of local PD worker roles.")
 
-    def validate(self) -> None:
-        from services.config.scheduler_checks import check_scheduler
-
-        check_scheduler(self)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CachePoolConfig:
-    name: str = _required("Unique cache pool name, used in logs, metrics and `prfaas cache-pool --name`.")
+    name: str = field(metadata=_help(
+        "Unique cache pool name, used in logs, metrics and `prfaas cache-pool --name`."))
     cluster: Literal["prfaas", "local"] = _opt("local", "Which cluster the pool serves (at most one pool per cluster).")
     host: str = _opt("127.0.0.1", "Address the pool's gRPC server binds and clients dial.")
-    port: int = _required("gRPC port of the pool (CachePool service in proto/prfaas/v1/cache_pool.proto, "
-                          "grpc.health.v1).")
+    port: int = field(metadata=_help("gRPC port of the pool (CachePool service in proto/prfaas/v1/cache_pool.proto, "
+                                     "grpc.health.v1)."))
     metrics_port: int | None = _opt(None, "HTTP port of the pool's Prometheus `/metrics`; none when null.")
     health_port: int | None = _opt(
         None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
@@ -295,49 +294,10 @@ class DeploymentConfig:
         SecurityConfig(), "Who may call each port: the gRPC bearer token (mutual TLS with `transport.tls_*`, "
         "which secure gRPC and the KV data plane alike), and the lab-only `insecure` opt-out. See "
         "docs/deployment.md, \"Threat model\".")
-    transport: dict = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or `secret_env` "
-                           "(PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, `max_frame_bytes`, "
-                           "`max_inflight_bytes`, `max_staging_bytes`, timeouts; see "
-                           "services/kv_transport/settings.py.")
-
-    def validate(self) -> None:
-        from services.config.cache_pool_checks import check_cache_pools
-        from services.kv_transport.settings import SettingsError, TransportSettings
-
-        try:
-            TransportSettings.of(self.transport)
-        except SettingsError as exc:
-            raise ConfigError(str(exc)) from None
-        check_cache_pools(self)
-        if self.router.max_body_bytes is not None and self.router.max_body_bytes <= 0:
-            raise ConfigError(f"router.max_body_bytes: must be positive, got {self.router.max_body_bytes!r}")
-        for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
-            if getattr(self.security, key) <= 0:
-                raise ConfigError(f"security.{key}: must be positive, got {getattr(self.security, key)!r}")
-        self.scheduler.validate()
-        names = [w.name for w in self.workers]
-        for i, name in enumerate(names):
-            if names.index(name) != i:
-                raise ConfigError(f"workers[{i}].name: duplicate worker name {name!r}")
-        seen = {(self.router.host, self.router.port)}
-        for i, worker in enumerate(self.workers):
-            for key in ("port", "kv_port", "health_port"):
-                endpoint = (worker.host, getattr(worker, key))
-                if endpoint[1] is None:
-                    continue
-                if endpoint in seen:
-                    raise ConfigError(f"workers[{i}].{key}: {endpoint[0]}:{endpoint[1]} is already used")
-                seen.add(endpoint)
-        if not any(w.service == "decode_worker" and w.role != "prefill" for w in self.workers):
-            raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
-        for i, worker in enumerate(self.workers):
-            for key in ("port", "kv_port", "health_port"):
-                value = getattr(worker, key)
-                if value is not None and not 0 < value < 65536:
-                    raise ConfigError(f"workers[{i}].{key}: {value} is not a TCP port")
-            unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
-            if unknown:
-                raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")
+    transport: dict[str, object] = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or "
+                                        "`secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, "
+                                        "`max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, timeouts; "
+                                        "see services/kv_transport/settings.py.")
 
     def worker(self, name: str) -> WorkerConfig:
         for worker in self.workers:
@@ -355,4 +315,5 @@ class DeploymentConfig:
     def engine_for(self, worker: WorkerConfig) -> EngineConfig:
         from dataclasses import replace
 
-        return replace(self.engine, **worker.engine)
+        overrides: dict[str, Any] = dict(worker.engine)  # keys checked on load, values as the YAML gave them
+        return replace(self.engine, **overrides)

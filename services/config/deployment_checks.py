@@ -1,0 +1,52 @@
+"""Cross-field checks of a whole deployment, run once the loader has built it; errors name the key,
+like the loader's. The `cache_pools` and `scheduler` sections have checks of their own."""
+from __future__ import annotations
+
+from services.config.cache_pool_checks import check_cache_pools
+from services.config.errors import ConfigError
+from services.config.scheduler_checks import check_scheduler
+from services.config.schema import DeploymentConfig, EngineConfig
+from services.kv_transport.settings import SettingsError, TransportSettings
+
+PORT_KEYS = ("port", "kv_port", "health_port")
+
+
+def check_deployment(config: DeploymentConfig) -> None:
+    try:
+        TransportSettings.of(config.transport)
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+    check_cache_pools(config)
+    if config.router.max_body_bytes is not None and config.router.max_body_bytes <= 0:
+        raise ConfigError(f"router.max_body_bytes: must be positive, got {config.router.max_body_bytes!r}")
+    for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
+        if getattr(config.security, key) <= 0:
+            raise ConfigError(f"security.{key}: must be positive, got {getattr(config.security, key)!r}")
+    check_scheduler(config.scheduler)
+    _check_workers(config)
+
+
+def _check_workers(config: DeploymentConfig) -> None:
+    names = [w.name for w in config.workers]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(f"workers[{i}].name: duplicate worker name {name!r}")
+    seen = {(config.router.host, config.router.port)}
+    for i, worker in enumerate(config.workers):
+        for key in PORT_KEYS:
+            endpoint = (worker.host, getattr(worker, key))
+            if endpoint[1] is None:
+                continue
+            if endpoint in seen:
+                raise ConfigError(f"workers[{i}].{key}: {endpoint[0]}:{endpoint[1]} is already used")
+            seen.add(endpoint)
+    if not any(w.service == "decode_worker" and w.role != "prefill" for w in config.workers):
+        raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
+    for i, worker in enumerate(config.workers):
+        for key in PORT_KEYS:
+            value = getattr(worker, key)
+            if value is not None and not 0 < value < 65536:
+                raise ConfigError(f"workers[{i}].{key}: {value} is not a TCP port")
+        unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")

@@ -62,15 +62,18 @@ def serve_cache_pool(config, deployment, grace_s: float = 5.0) -> None:
     in-flight calls ``grace_s`` to finish."""
     from services.cache_pool.pool import CachePool
     from services.cache_pool.server import PoolIdentity, start_pool_server
+    from services.cache_pool.slots import open_arena
     from services.cache_pool.ssd import SsdTier
     from services.kv_transport.settings import TransportSettings
     from services.security import GrpcSecurity
     from services.security.peers import pool_kv_targets
 
     ssd = SsdTier(config.ssd_dir, config.ssd_budget_bytes) if config.ssd_dir else None
-    pool = CachePool(config.memory_budget_bytes, ssd)
+    slot_bytes = config.arena_slot_kib << 10 if config.arena_slot_kib else None
+    arena = open_arena(config.shared_memory_dir, config.name, config.memory_budget_bytes, slot_bytes)
+    pool = CachePool(config.memory_budget_bytes, ssd, arena, lease_timeout_s=config.lease_timeout_s)
     running = start_pool_server(pool, PoolIdentity(config.name, config.cluster), config.host, config.port,
-                                shm_dir=config.shared_memory_dir, kv_port=config.kv_port,
+                                kv_port=config.kv_port,
                                 transport=TransportSettings.of(deployment.transport),
                                 security=GrpcSecurity.of(deployment), peers=pool_kv_targets(deployment, config.name),
                                 health_port=config.health_port)
@@ -79,10 +82,10 @@ def serve_cache_pool(config, deployment, grace_s: float = 5.0) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s, shared memory %s, "
+    logger.info("cache pool %s (cluster %s) listening on %s:%d; memory budget %d B, SSD %s, shared-memory arena %s, "
                 "KV port %s", config.name, config.cluster, config.host, running.port, config.memory_budget_bytes,
                 f"{config.ssd_dir} ({config.ssd_budget_bytes} B)" if ssd else "off",
-                running.servicer.shm_dir or "off", running.servicer.kv_port or "off")
+                running.servicer.arena_path or "off", running.servicer.kv_port or "off")
     stop.wait()
     logger.info("cache pool %s stopping", config.name)
     running.stop(grace_s)

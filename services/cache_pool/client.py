@@ -2,12 +2,12 @@
 
 Block bytes take the best path the pool and this client share; gRPC always carries the metadata:
 
-- on the pool's host (``Describe`` offers a shared-memory directory and its probe file reads back
-  right): files there (``shm``). A Put writes one file per block and sends only names, a Get reads
-  the files the pool names; one copy each, in a worker thread so the event loop keeps running;
+- on the pool's host (``Describe`` offers its arena and this process can map it): the arena
+  (``arena_client``). A Put copies the blocks into slots the pool leased, a Get copies out of the
+  slots the pool names and checks their generations; one copy each, none through gRPC;
 - else, when the pool has a KV port and the client was given transport settings: the KV transport.
   A Put streams the blocks to the pool's listener, a Get has the pool push them to this client's;
-- else (or when the files cannot be written, e.g. a full tmpfs): inline, in messages of about
+- else: inline, in messages of about
   ``MESSAGE_BYTES`` each, one after another: a prompt's blocks can be far larger than gRPC's message
   limit, and small messages keep the buffers of both ends reused instead of freshly mapped for
   every call (fresh pages cost more than the copy).
@@ -15,10 +15,7 @@ Block bytes take the best path the pool and this client share; gRPC always carri
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
-import secrets
 import uuid
 from collections.abc import Sequence
 
@@ -26,9 +23,11 @@ import grpc
 from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
-from services.cache_pool import convert, shm
+from services.cache_pool import arena_client, convert
+from services.cache_pool.arena import ArenaMapping
 from services.cache_pool.inbox import TransferError, TransferInbox
-from services.cache_pool.types import Block, BlockMissingError, LookupQuery, LookupResult, PoolStats, PutResult
+from services.cache_pool.types import (Block, BlockMissingError, LookupQuery, LookupResult, Pieces, PoolStats,
+                                      PutResult)
 from services.kv_transport import KVTransport, TransportSettings
 from services.security import GrpcSecurity
 
@@ -54,9 +53,7 @@ class CachePoolClient:
         self._stub = pb_grpc.CachePoolStub(self._channel)
         self._shared_memory = shared_memory
         self._described: pb.DescribeResponse | None = None
-        self._shm_dir: str | None = None
-        self._names = itertools.count()
-        self._token = secrets.token_hex(4)
+        self._arena: ArenaMapping | None = None
 
     async def describe(self) -> pb.DescribeResponse:
         """The pool's ``Describe`` answer (asked once; a pool without the call offers nothing)."""
@@ -67,16 +64,21 @@ class CachePoolClient:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 described = pb.DescribeResponse()
-            info = described.shared_memory
-            if self._shared_memory:
-                self._shm_dir = shm.same_host_directory(info.directory, info.probe_file, info.probe_token)
+            info = described.arena
+            if self._shared_memory and described.HasField("arena"):
+                self._arena = ArenaMapping.open(info.path, info.size, info.token)
             self._described = described
         return self._described
 
-    async def shared_memory_dir(self) -> str | None:
-        """The pool's shared-memory directory when this process shares it, else None."""
+    async def arena(self) -> ArenaMapping | None:
+        """The pool's arena, mapped here, when this process shares it; else None."""
         await self.describe()
-        return self._shm_dir
+        return self._arena
+
+    def _forget_arena(self) -> None:
+        """The pool restarted with another arena: describe it again on the next call (the old mapping
+        stays alive as long as views of it do)."""
+        self._described, self._arena = None, None
 
     async def kv_address(self) -> str | None:
         """``host:port`` of the pool's KV transport listener (its gRPC host), None when it has none."""
@@ -107,23 +109,12 @@ class CachePoolClient:
     async def put(self, model: str, blocks: list[Block], transfer_id: str = "") -> PutResult:
         """Stores ``blocks`` in prompt order: through shared memory, or in Puts of about
         ``MESSAGE_BYTES`` each."""
-        if blocks and (directory := await self.shared_memory_dir()) is not None:
-            names = [f"{shm.PUT_PREFIX}{os.getpid()}-{self._token}-{next(self._names):x}" for _ in blocks]
+        if blocks and (arena := await self.arena()) is not None:
             try:
-                await asyncio.to_thread(_write_files, directory, names, blocks)
-            except OSError as exc:
-                logger.warning("cache pool %s: block files not written to %s (%s); sending bytes inline",
-                               self.address, directory, exc)
-            else:
-                request = pb.PutRequest(model=model, transfer_id=transfer_id)
-                convert.add_blocks(request.blocks, [Block(b.group_id, b.block_hash, shm.ShmFile(n, len(b.data)))
-                                                    for b, n in zip(blocks, names)])
-                try:
-                    response = await self._stub.Put(request)
-                except BaseException:  # the pool took none of the files (or the call was cut short)
-                    shm.remove_files(directory, names)
-                    raise
-                return PutResult(response.num_blocks_stored, response.num_bytes_stored)
+                return await arena_client.put(self._stub, arena, model, blocks, transfer_id)
+            except arena_client.ArenaMoved:
+                self._forget_arena()
+                return await self.put(model, blocks, transfer_id)
         if blocks and self._kv_settings is not None and (kv_target := await self.kv_address()) is not None:
             kv_transfer_id = f"pool-put-{uuid.uuid4().hex}"
             await asyncio.to_thread(self._send_blocks, kv_target, kv_transfer_id, blocks)  # may wait: backpressure
@@ -141,12 +132,26 @@ class CachePoolClient:
     async def get(self, model: str, refs: Sequence[tuple[int, bytes]]) -> list[Block]:
         """Raises ``grpc.aio.AioRpcError`` NOT_FOUND when any block is missing, or
         ``BlockMissingError`` when one was evicted while being read (treat either as a miss).
-        Through shared memory in one call, else about ``MESSAGE_BYTES`` at a time, sized from the
+        Through the arena in one call, else about ``MESSAGE_BYTES`` at a time, sized from the
         blocks of the first (one block)."""
-        if refs and (directory := await self.shared_memory_dir()) is not None:
-            request = pb.GetRequest(model=model, shared_memory=True,
-                                    blocks=[pb.CacheBlockRef(group_id=g, block_hash=h) for g, h in refs])
-            return await asyncio.to_thread(_read_files, directory, (await self._stub.Get(request)).blocks, False)
+        blocks = await self.get_views(model, refs)
+        return await asyncio.to_thread(arena_client.read, blocks)
+
+    async def read_into(self, model: str, refs: Sequence[tuple[int, bytes]], targets: Sequence[Sequence]) -> None:
+        """Copy each block into its target buffers (sizes adding up to the block's), e.g. an engine's
+        or a benchmark's tensors; fails as ``get`` does."""
+        blocks = await self.get_views(model, refs)
+        await asyncio.to_thread(arena_client.read_into, blocks, targets)
+
+    async def get_views(self, model: str, refs: Sequence[tuple[int, bytes]]) -> list[Block]:
+        """As ``get``, but through the arena the blocks come as ``arena_client.ArenaView``s, not yet
+        copied: copy them out, then check ``arena_client.intact`` (False: evicted meanwhile, a miss)."""
+        if refs and (arena := await self.arena()) is not None:
+            try:
+                return await arena_client.get_views(self._stub, arena, model, refs)
+            except arena_client.ArenaMoved:
+                self._forget_arena()
+                raise BlockMissingError("the pool restarted (a new arena) during the Get") from None
         if refs and self._kv_settings is not None and self._kv_host and await self.kv_address() is not None:
             return await self._get_pushed(model, refs)
         blocks: list[Block] = []
@@ -184,7 +189,7 @@ class CachePoolClient:
     def _send_blocks(self, kv_target: str, kv_transfer_id: str, blocks: list[Block]) -> None:
         transport = self._kv_inbox().transport if self._kv_host else self._sender()
         for i, block in enumerate(blocks):
-            transport.send_block(kv_target, kv_transfer_id, i, block.group_id, block.data)
+            transport.send_block(kv_target, kv_transfer_id, i, block.group_id, _inline(block.data))
         transport.finish(kv_target, kv_transfer_id)
 
     def _sender(self) -> KVTransport:
@@ -194,13 +199,8 @@ class CachePoolClient:
         return self._kv_sender
 
     async def take_transfer(self, model: str, transfer_id: str) -> list[Block]:
-        """A transfer's blocks, which the pool then frees (its files become ours, read and removed)."""
-        directory = await self.shared_memory_dir()
-        request = pb.GetRequest(model=model, transfer_id=transfer_id, shared_memory=directory is not None)
-        messages = (await self._stub.Get(request)).blocks
-        if directory is None:
-            return _blocks(messages)
-        return await asyncio.to_thread(_read_files, directory, messages, True)
+        """A transfer's blocks (always inline), which the pool then frees."""
+        return _blocks((await self._stub.Get(pb.GetRequest(model=model, transfer_id=transfer_id))).blocks)
 
     async def stats(self) -> PoolStats:
         response = await self._stub.GetStats(pb.CachePoolStatsRequest())
@@ -218,35 +218,8 @@ def _blocks(messages) -> list[Block]:
     return [Block(m.group_id, m.block_hash, m.data) for m in messages]
 
 
-def _write_files(directory: str, names: list[str], blocks: list[Block]) -> None:
-    for i, (name, block) in enumerate(zip(names, blocks)):
-        try:
-            shm.write_file(os.path.join(directory, name), block.data)
-        except OSError:
-            shm.remove_files(directory, names[:i])
-            raise
-
-
-def _read_files(directory: str, messages, owned: bool) -> list[Block]:
-    """Blocks of a Get answer, reading the files it names (inline ones as they are); ``owned``:
-    the files are ours (a transfer's) and removed once read, or on failure."""
-    blocks = []
-    try:
-        for m in messages:
-            if not m.HasField("shm"):
-                blocks.append(Block(m.group_id, m.block_hash, m.data))
-                continue
-            if "/" in m.shm.name:
-                raise ValueError(f"the pool named a block file with a path: {m.shm.name!r}")
-            try:
-                data = shm.read_file(os.path.join(directory, m.shm.name), m.shm.size)
-            except FileNotFoundError:
-                raise BlockMissingError((m.group_id, m.block_hash)) from None
-            blocks.append(Block(m.group_id, m.block_hash, data))
-    finally:
-        if owned:
-            shm.remove_files(directory, [m.shm.name for m in messages if m.HasField("shm") and "/" not in m.shm.name])
-    return blocks
+def _inline(data):
+    return bytes(data) if isinstance(data, Pieces) else data
 
 
 def _batches(blocks: list[Block]) -> list[list[Block]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prfaas.v1 import cache_pool_pb2 as pb
 
-from services.cache_pool.shm import ShmBlockData, ShmFile
+from services.cache_pool.arena import ArenaBlock, ArenaLayout
 from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PoolStats
 
 KIND_TO_PROTO = {
@@ -44,33 +44,53 @@ def lookup_result_from_proto(response: pb.LookupResponse, block_size: int) -> Lo
 
 
 def blocks_from_proto(blocks) -> list[Block]:
-    """Blocks with their bytes inline, or an ``ShmFile`` naming the file that holds them."""
+    """Blocks with their bytes inline (arena Puts go through Reserve and Commit)."""
     result = []
     for i, block in enumerate(blocks):
         _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
-        if block.HasField("shm"):
-            if block.data:
-                raise ValueError(f"blocks[{i}]: set data or shm, not both")
-            if not block.shm.name or "/" in block.shm.name or not block.shm.size:
-                raise ValueError(f"blocks[{i}].shm: a plain file name and a positive size are required")
-            result.append(Block(block.group_id, block.block_hash, ShmFile(block.shm.name, block.shm.size)))
-        elif not block.data:
+        if block.HasField("shm") or block.HasField("arena"):
+            raise ValueError(f"blocks[{i}]: block files are no longer accepted; send data inline, or Reserve "
+                             "arena slots (see Describe)")
+        if not block.data:
             raise ValueError(f"blocks[{i}].data is empty")
-        else:
-            result.append(Block(block.group_id, block.block_hash, block.data))
+        result.append(Block(block.group_id, block.block_hash, block.data))
     return result
 
 
 def add_blocks(repeated, blocks: list[Block]) -> None:
     """Append blocks to a message's ``repeated CacheBlock`` field in place: building the messages
-    first and passing them to a constructor copies every block's bytes twice. Blocks held in a
-    shared-memory file go as its ``ShmFile``."""
+    first and passing them to a constructor copies every block's bytes twice. Blocks held in the
+    arena go as their ``ArenaRef``."""
     for b in blocks:
-        if isinstance(b.data, (ShmFile, ShmBlockData)):
-            repeated.add(group_id=b.group_id, block_hash=b.block_hash,
-                         shm=pb.ShmFile(name=b.data.name, size=b.data.size))
+        if isinstance(b.data, ArenaBlock):
+            repeated.add(group_id=b.group_id, block_hash=b.block_hash, arena=arena_ref(b.data))
         else:
-            repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=b.data)
+            repeated.add(group_id=b.group_id, block_hash=b.block_hash, data=bytes(b.data))
+
+
+def arena_ref(block: ArenaBlock | None) -> pb.ArenaRef:
+    if block is None:
+        return pb.ArenaRef()
+    return pb.ArenaRef(slots=block.slots, generations=block.generations, size=block.size)
+
+
+def arena_block(ref: pb.ArenaRef, slot_bytes: int) -> ArenaBlock:
+    return ArenaBlock(tuple(ref.slots), tuple(ref.generations), ref.size, slot_bytes)
+
+
+def layout_to_proto(layout: ArenaLayout) -> pb.ArenaLayout:
+    return pb.ArenaLayout(token=layout.token, slot_bytes=layout.slot_bytes, slots_offset=layout.slots_offset)
+
+
+def block_specs_from_proto(request: pb.ReserveRequest) -> list[tuple[int, bytes, int]]:
+    _check_model(request.model)
+    if not request.blocks:
+        raise ValueError("blocks is empty")
+    for i, block in enumerate(request.blocks):
+        _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
+        if not block.size:
+            raise ValueError(f"blocks[{i}].size must be positive")
+    return [(b.group_id, b.block_hash, b.size) for b in request.blocks]
 
 
 def check_put(request: pb.PutRequest) -> None:
@@ -83,8 +103,9 @@ def transfer_block_refs(blocks) -> list[tuple[int, bytes]]:
     """The blocks of a Put whose bytes come over the KV transport: keys only."""
     for i, block in enumerate(blocks):
         _check_hashes([block.block_hash], f"blocks[{i}].block_hash")
-        if block.data or block.HasField("shm"):
-            raise ValueError(f"blocks[{i}]: no data or shm with kv_transfer_id (the bytes come over the KV transport)")
+        if block.data or block.HasField("shm") or block.HasField("arena"):
+            raise ValueError(f"blocks[{i}]: no data, shm or arena with kv_transfer_id "
+                             "(the bytes come over the KV transport)")
     return [(b.group_id, b.block_hash) for b in blocks]
 
 

@@ -1,4 +1,4 @@
-"""The host-memory tier: blocks in recency order, bytes counted exactly (``len`` of each value).
+"""The host-memory tier: blocks in recency order, each counted by what it takes (``arena.footprint``).
 
 What to evict is ``eviction.py``'s decision; this tier only keeps the order it decides from.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from services.cache_pool.arena import footprint
 from services.cache_pool.types import BlockKey
 
 
@@ -34,14 +35,14 @@ class MemoryLru:
             self._blocks.move_to_end(key)
             return False
         self._blocks[key] = data
-        self.num_bytes += len(data)
+        self.num_bytes += footprint(data)
         return True
 
     def sizes(self) -> Iterator[tuple[BlockKey, int]]:
         """Each stored key with its size in bytes, least recently used first."""
-        return ((key, len(data)) for key, data in self._blocks.items())
+        return ((key, footprint(data)) for key, data in self._blocks.items())
 
     def pop(self, key: BlockKey) -> bytes:
         data = self._blocks.pop(key)
-        self.num_bytes -= len(data)
+        self.num_bytes -= footprint(data)
         return data

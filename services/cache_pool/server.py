@@ -16,8 +16,7 @@ from services.cache_pool import convert
 from services.cache_pool.inbox import TransferError, TransferInbox
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.pool import CachePool
-from services.cache_pool.shm import ShmFile, ShmStore, release
-from services.cache_pool.types import Block, BlockMissingError, PoolFullError, PoolStats
+from services.cache_pool.types import Block, BlockMissingError, LeaseExpiredError, PoolFullError, PoolStats
 from services.kv_transport import KVTransport, TransportSettings
 from services.security import GrpcSecurity, KnownPeers, Rejections
 
@@ -34,20 +33,21 @@ class PoolIdentity:
 
 
 class CachePoolServicer(pb_grpc.CachePoolServicer):
-    def __init__(self, pool: CachePool, identity: PoolIdentity, shm: ShmStore | None = None,
-                 inbox: TransferInbox | None = None, peers: KnownPeers = NO_PEERS,
-                 rejections: Rejections | None = None) -> None:
-        """``shm``: the shared-memory directory offered to clients on this host (None: inline only).
+    def __init__(self, pool: CachePool, identity: PoolIdentity, inbox: TransferInbox | None = None,
+                 peers: KnownPeers = NO_PEERS, rejections: Rejections | None = None) -> None:
+        """The pool's arena (``pool.arena``), when it has one, is offered to clients on this host.
         ``inbox``: the pool's KV transport, for pool-to-pool copies (None: Push and kv Puts refused).
         ``peers``: the other pools' KV addresses, the only ``kv_target``s a Push may name."""
         self._pool = pool
         self._identity = identity
-        self._shm = shm
         self._inbox = inbox
         self._peers = peers
         self.rejections = rejections or Rejections(identity.name)
         self._lock = threading.Lock()
         self.metrics = PoolMetrics(self.snapshot, self.rejections)
+        self._stopped = threading.Event()
+        if pool.arena is not None:
+            threading.Thread(target=self._expire_leases, name="prfaas-pool-leases", daemon=True).start()
 
     def snapshot(self) -> PoolStats:
         with self._lock:
@@ -66,33 +66,57 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         if request.kv_transfer_id:
             blocks = self._received(request, context)
         else:
-            blocks = _parsed(self._adopted, _parsed(convert.blocks_from_proto, request.blocks, context), context)
+            blocks = _parsed(convert.blocks_from_proto, request.blocks, context)
         try:
             with self._lock:
                 result = self._pool.put(request.model, blocks, request.transfer_id)
         except PoolFullError as exc:
-            _release(blocks)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return pb.PutResponse(num_blocks_stored=result.num_blocks_stored, num_bytes_stored=result.num_bytes_stored)
+
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        arena = self._pool.arena
+        if arena is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pool has no arena: send block bytes inline")
+        specs = _parsed(convert.block_specs_from_proto, request, context)
+        try:
+            with self._lock:
+                lease = self._pool.reserve(request.model, specs, request.transfer_id)
+        except PoolFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return pb.ReserveResponse(lease_id=lease.lease_id, layout=convert.layout_to_proto(arena.layout),
+                                  lease_timeout_s=self._pool.lease_timeout_s,
+                                  blocks=[convert.arena_ref(slots) for _, slots in lease.entries])
+
+    def Commit(self, request: pb.CommitRequest, context) -> pb.PutResponse:
+        try:
+            with self._lock:
+                if request.abort:
+                    self._pool.abort(request.lease_id)
+                    return pb.PutResponse()
+                result = self._pool.commit(request.lease_id)
+        except LeaseExpiredError:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"lease {request.lease_id!r} expired or is unknown: its slots were freed, nothing stored")
         return pb.PutResponse(num_blocks_stored=result.num_blocks_stored, num_bytes_stored=result.num_bytes_stored)
 
     def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
         refs = _parsed(convert.block_refs_from_proto, request, context)
-        by_file = request.shared_memory and self._shm is not None
+        arena = self._pool.arena if request.arena else None
         try:
             with self._lock:
                 if request.transfer_id:
                     blocks = self._pool.take_transfer(request.transfer_id)
                 else:
                     blocks = self._pool.get(request.model, refs)
-                    if not by_file:  # read the files while no Put can evict them
-                        blocks = [Block(b.group_id, b.block_hash, bytes(b.data)) for b in blocks]
+                    if arena is None:  # read the slots while no Put can evict them
+                        blocks = [Block(b.group_id, b.block_hash, self._pool.data_bytes(b.data)) for b in blocks]
         except BlockMissingError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
-        if request.transfer_id and not by_file:  # the transfer's files are ours to read and free
-            taken, blocks = blocks, [Block(b.group_id, b.block_hash, bytes(b.data)) for b in blocks]
-            _release(taken)
         response = pb.GetResponse()
         convert.add_blocks(response.blocks, blocks)
+        if arena is not None and arena.layout is not None:
+            response.layout.CopyFrom(convert.layout_to_proto(arena.layout))
         return response
 
     def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
@@ -103,7 +127,8 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         refs = [(b.group_id, b.block_hash) for b in request.blocks]
         try:
             with self._lock:
-                blocks = [Block(b.group_id, b.block_hash, bytes(b.data)) for b in self._pool.get(request.model, refs)]
+                blocks = [Block(b.group_id, b.block_hash, self._pool.data_bytes(b.data))
+                          for b in self._pool.get(request.model, refs)]
         except BlockMissingError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
         transport = self._inbox.transport
@@ -125,9 +150,9 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
         response = pb.DescribeResponse(pool=self._identity.name, cluster=self._identity.cluster,
                                        kv_port=self._inbox.transport.port if self._inbox else 0)
-        if self._shm is not None:
-            response.shared_memory.CopyFrom(pb.SharedMemory(
-                directory=self._shm.directory, probe_file=self._shm.probe_file, probe_token=self._shm.probe_token))
+        if (arena := self._pool.arena) is not None:
+            mapping = arena.mapping
+            response.arena.CopyFrom(pb.SharedArena(path=mapping.path, size=mapping.size, token=mapping.token))
         return response
 
     @property
@@ -139,12 +164,14 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         return self._inbox.transport.port if self._inbox is not None else None
 
     @property
-    def shm_dir(self) -> str | None:
-        return self._shm.directory if self._shm is not None else None
+    def arena_path(self) -> str | None:
+        return self._pool.arena.mapping.path if self._pool.arena is not None else None
 
     def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
+        self._stopped.set()
+        if self._pool.arena is not None:
+            with self._lock:
+                self._pool.arena.close()
         if self._inbox is not None:
             self._inbox.close()
 
@@ -166,20 +193,12 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         return [Block(group_id, block_hash, bytes(by_index[i].payload))
                 for i, (group_id, block_hash) in enumerate(refs)]
 
-    def _adopted(self, blocks: list[Block]) -> list[Block]:
-        """Blocks whose bytes came as a client's file, now the pool's (``ValueError``: none taken)."""
-        adopted: list[Block] = []
-        try:
-            for i, block in enumerate(blocks):
-                if isinstance(block.data, ShmFile):
-                    if self._shm is None:
-                        raise ValueError(f"blocks[{i}].shm: this pool offers no shared memory (send data inline)")
-                    block = Block(block.group_id, block.block_hash, self._shm.adopt(block.data.name, block.data.size))
-                adopted.append(block)
-        except ValueError:
-            _release(adopted)
-            raise
-        return adopted
+    def _expire_leases(self) -> None:
+        """Free the slots of Puts never committed (their client died), a few times per lease timeout."""
+        while not self._stopped.wait(min(5.0, max(0.05, self._pool.lease_timeout_s / 4))):
+            with self._lock:
+                if not self._stopped.is_set():
+                    self._pool.expire_leases()
 
     def GetStats(self, request: pb.CachePoolStatsRequest, context) -> pb.CachePoolStats:
         return convert.stats_to_proto(self.snapshot(), self._identity.name, self._identity.cluster,
@@ -205,11 +224,11 @@ class RunningPool:
 
 
 def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: int,
-                      max_workers: int = 8, shm_dir: str | None = None, kv_port: int | None = None,
+                      max_workers: int = 8, kv_port: int | None = None,
                       transport: TransportSettings | None = None, security: GrpcSecurity = GrpcSecurity(),
                       peers: KnownPeers = NO_PEERS, health_port: int | None = None) -> RunningPool:
     """Serve CachePool and grpc.health.v1 (SERVING once started) on ``host:port`` (0: any free port).
-    ``shm_dir``: a tmpfs directory through which same-host clients move block bytes (see ``shm``).
+    The pool's arena (``pool.arena``, see ``slots.open_arena``) is offered to clients on this host.
     ``kv_port``: listen there (0: any free port) with a KV transport of ``transport`` settings, for
     copies from and to other pools (see ``inbox``), which ``peers`` lists.
     ``security``: TLS, the accepted bearer tokens and message bounds of the gRPC server.
@@ -222,7 +241,7 @@ def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: 
         settings = transport or TransportSettings()
         inbox = TransferInbox(KVTransport(settings, listen_host=host, listen_port=kv_port),
                               settings.recv_idle_timeout_s)
-    servicer = CachePoolServicer(pool, identity, _shm_store(shm_dir, identity.name), inbox, peers, rejections)
+    servicer = CachePoolServicer(pool, identity, inbox, peers, rejections)
     pb_grpc.add_CachePoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -242,26 +261,10 @@ def start_pool_server(pool: CachePool, identity: PoolIdentity, host: str, port: 
     return RunningPool(server, servicer, health_servicer, bound, probes)
 
 
-def _shm_store(directory: str | None, pool_name: str) -> ShmStore | None:
-    if not directory:
-        return None
-    try:
-        return ShmStore(directory, pool_name)
-    except OSError as exc:
-        logger.warning("cache pool %s: no shared memory for same-host clients (%s); block bytes go inline",
-                       pool_name, exc)
-        return None
-
-
 def _caller_host(peer: str) -> str:
     """The host part of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
     address = peer.partition(":")[2].rpartition(":")[0]
     return address if address.startswith("[") or ":" not in address else f"[{address}]"
-
-
-def _release(blocks: list[Block]) -> None:
-    for block in blocks:
-        release(block.data)
 
 
 def _parsed(parse, message, context):

@@ -19,7 +19,12 @@ class PoolFullError(Exception):
 
 
 class BlockMissingError(KeyError):
-    """A block asked for is not stored (never stored, evicted, or failed its SSD checksum)."""
+    """A block asked for is not stored (never stored, evicted, or failed its SSD checksum), or was
+    evicted while a client copied it out of the arena."""
+
+
+class LeaseExpiredError(KeyError):
+    """A Put's lease on arena slots is unknown or expired: its slots were freed, nothing is stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +69,26 @@ class LookupResult:
 class Block:
     group_id: int
     block_hash: bytes
-    data: bytes  # inside the pool also a shared-memory file (``shm.ShmBlockData``: ``len`` and ``bytes()``)
+    data: bytes  # also ``Pieces`` (a Put's), or in the arena (``arena.ArenaBlock``, ``client.ArenaView``)
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A block's bytes as consecutive buffers (e.g. one per layer), copied piece by piece into the
+    pool's slots without ever being joined; ``len`` is their total size, ``bytes()`` joins them."""
+
+    parts: tuple
+
+    def __len__(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(memoryview(part).cast("B") for part in self.parts)
+
+
+def pieces_of(data) -> tuple:
+    """A block's bytes as the buffers they come in: a ``Pieces``' parts, else the one buffer."""
+    return data.parts if isinstance(data, Pieces) else (data,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +116,8 @@ class PoolStats:
     memory_evictions: int = 0
     ssd_evictions: int = 0
     ssd_read_errors: int = 0
+    arena_slot_bytes: int = 0
+    arena_slots: int = 0
+    arena_free_slots: int = 0
+    leased_slots: int = 0
+    lease_expiries: int = 0

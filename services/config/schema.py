@@ -228,10 +228,18 @@ class CachePoolConfig:
         "and secret): cross-cluster cache copies move block bytes pool to pool over it instead of through the "
         "router. Copies use it when both pools have one. Null: no listener.")
     shared_memory_dir: str | None = _opt(
-        "/dev/shm", "A tmpfs directory through which workers on the pool's host move block bytes (one file per "
-        "block, copied once) instead of inside gRPC messages; clients elsewhere, or that do not see the pool's "
-        "probe file there, send bytes inline. Block files count against `memory_budget_gib`; give containers a "
-        "large enough /dev/shm. Null: always inline.")
+        "/dev/shm", "A tmpfs directory for the pool's shared-memory arena: one file of `memory_budget_gib`, "
+        "allocated and resident from the pool's start, that workers on the pool's host map once and copy block "
+        "bytes into and out of (once each) instead of sending them inside gRPC messages. Clients elsewhere, or "
+        "that cannot open the arena, send bytes inline; so does every client when the tmpfs has no room for the "
+        "arena (give containers a /dev/shm larger than the budget). Null: no arena, always inline.")
+    arena_slot_kib: int | None = _opt(
+        None, "Size of one arena slot in KiB. Null: the largest block of the first Put, rounded up to 4 KiB "
+        "(at least 64 KiB), so that each of an engine's full-attention blocks fills one slot; a block of another "
+        "size takes as many slots as it needs.")
+    lease_timeout_s: float = _opt(
+        30.0, "Seconds a client has between reserving arena slots for a Put and committing it; the slots of a Put "
+        "never committed (its client died) are freed after this.")
 
     @property
     def memory_budget_bytes(self) -> int:

@@ -77,12 +77,14 @@ class PoolIO:
         return self._run(self._client.lookup(query, timeout_s=self.lookup_timeout_s))
 
     def start_get(self, model: str, refs: list[tuple[int, bytes]]) -> "Future[list[Block]]":
-        """Fails (``grpc.aio.AioRpcError`` NOT_FOUND) when any block is gone: the caller recomputes."""
-        return self._run(self._client.get(model, refs))
+        """Fails (``grpc.aio.AioRpcError`` NOT_FOUND) when any block is gone: the caller recomputes.
+        Blocks in the pool's arena come as views, not yet copied: the caller copies them into its
+        blocks and then checks each one's ``intact()`` (False: evicted meanwhile, recompute)."""
+        return self._run(self._client.get_views(model, refs))
 
     def start_put(self, model: str, make_blocks) -> "Future[PutResult]":
-        """``make_blocks()`` runs on the I/O thread (turning copied tensors into bytes is not the
-        engine thread's job)."""
+        """``make_blocks()`` runs on the I/O thread; the blocks' data may be ``Pieces`` (views of the
+        engine's copied tensors), which the client copies into the pool without joining them."""
         return self._run(self._put(model, make_blocks))
 
     def close(self) -> None:

@@ -2,12 +2,14 @@
 them back in. Every method runs on the engine thread; the pool I/O runs on ``PoolIO``'s thread.
 
 Stores copy the step's new blocks right after the forward (``store``, from ``wait_for_save``), so
-vLLM may reuse them at once; turning the copies into bytes and the Put happen in the background, and
-a failed Put is logged and counted, nothing more. Loads Get in the background and are written into
-the request's blocks between forwards (``finished_loads``); a failed or malformed Get is reported as
-a failed receive, so vLLM recomputes the prompt. A pool block holds, for one group, the bytes of
-every layer of that group for one block (full attention) or its state page (recurrent state), in
-layer order.
+vLLM may reuse them at once (on a GPU this is the copy to host memory anyway); the Put happens in the
+background and copies those tensors' bytes straight into the pool's arena (``Pieces``, one per layer:
+never joined into ``bytes``), and a failed Put is logged and counted, nothing more. Loads Get in the
+background and are copied between forwards (``finished_loads``) straight from the arena's slots into
+the request's blocks, then checked (a block evicted while being copied fails the load); a failed or
+malformed Get is reported as a failed receive, so vLLM recomputes the prompt. A pool block holds, for
+one group, the bytes of every layer of that group for one block (full attention) or its state page
+(recurrent state), in layer order.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from services.cache_pool.types import Block
+from services.cache_pool.types import Block, Pieces
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel
@@ -141,6 +143,8 @@ class PoolWorker:
                 return error
         for block, target in zip(blocks, targets):
             self._write(block, target)
+        if not all(_intact(block.data) for block in blocks):
+            return "a block was evicted from the pool while being read"
         return None
 
     def _check(self, block: Block, target: int) -> str | None:
@@ -153,10 +157,9 @@ class PoolWorker:
 
     def _write(self, block: Block, target: int) -> None:
         offset = 0
-        data = memoryview(block.data)
         for layer in self._layers(block.group_id):
             size = self.layout.payload_bytes(layer, 1)
-            self.layout.write_some(layer, [target], [0], data[offset:offset + size])
+            self.layout.write_some(layer, [target], [0], _span(block.data, offset, offset + size))
             offset += size
 
     def _layers(self, group: int) -> list[LayerInfo]:
@@ -171,9 +174,21 @@ def _state_page(block_ids: tuple[int, ...], end: int, block_size: int) -> int:
     return state_block(block_ids)
 
 
-def _join(copies: list[tuple[LayerInfo, torch.Tensor]], k: int) -> bytes:
-    return b"".join(_bytes_of_block(tensor, layer.block_dim, k) for layer, tensor in copies)
+def _join(copies: list[tuple[LayerInfo, torch.Tensor]], k: int) -> Pieces:
+    """Block ``k`` of each layer's copy, as views of the copies (no bytes are joined)."""
+    return Pieces(tuple(piece for layer, tensor in copies for piece in _block_pieces(tensor, layer.block_dim, k)))
 
 
-def _bytes_of_block(tensor: torch.Tensor, block_dim: int, k: int) -> bytes:
-    return tensor.narrow(block_dim, k, 1).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+def _block_pieces(tensor: torch.Tensor, block_dim: int, k: int) -> list:
+    """Block ``k`` of a contiguous copy as contiguous uint8 arrays, in the order ``extract`` lays it out."""
+    rows = [tensor[k]] if block_dim == 0 else [tensor[j, k] for j in range(tensor.shape[0])]
+    return [row.reshape(-1).view(torch.uint8).numpy() for row in rows]
+
+
+def _span(data, start: int, stop: int):
+    """Bytes [start, stop) of a Get's block: a view of its arena slots, or of its bytes."""
+    return data.view(start, stop) if hasattr(data, "intact") else memoryview(data)[start:stop]
+
+
+def _intact(data) -> bool:
+    return data.intact() if hasattr(data, "intact") else True

@@ -7,6 +7,7 @@ tests/e2e/test_cache_pool_reuse.py.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import torch
 
 from services.cache_pool.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
+from services.cache_pool.slots import Arena
 from services.cache_pool.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
 from services.kv_connector.layout import KVLayout
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
@@ -225,10 +227,7 @@ def test_stored_blocks_load_into_other_block_ids_byte_for_byte(io):
     assert source.counters().tokens_stored == 3 * BLOCK
     target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11), (4, 8, 9, 10)), hashes, 1)]))
     assert target.finished_loads() == ({"b"}, set())
-    src, dst = source.layout.caches, target.layout.caches
-    assert torch.equal(dst["l1"][[8, 9]], src["l1"][[2, 3]]) and torch.equal(dst["l2"][:, [8, 9]], src["l2"][:, [2, 3]])
-    assert torch.equal(dst["l0"][11], src["l0"][5])
-    assert not dst["l1"][4].any(), "block 0 was the engine's own: not loaded"
+    _assert_loaded(source, target)
     assert target.counters().tokens_loaded == 2 * BLOCK
 
 
@@ -284,3 +283,66 @@ def test_pool_io_round_trip_over_grpc(pool_server):
             io.start_get("other-model", [(0, hashes[1])]).result(5)
     finally:
         io.close()
+
+
+def test_blocks_go_through_the_pools_arena_straight_from_and_into_the_kv_tensors(pool_server, tmp_path):
+    arena = Arena.create(str(tmp_path), "pool-local", 4 << 20)
+    pool = CachePool(4 << 20, arena=arena)
+    io = PoolIO(f"127.0.0.1:{pool_server(pool, name='pool-local').port}", lookup_timeout_s=2.0)
+    try:
+        source, target = _worker(io, fill=True), _worker(io, fill=False)
+        hashes = tuple(prompt_block_hashes(list(range(3 * BLOCK)), BLOCK))
+        source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+            "a", ((5,), (1, 2, 3)), tuple(enumerate(hashes)), hashes[2], 3 * BLOCK)]))
+        source.store()
+        _wait(lambda: source.counters().tokens_stored == 3 * BLOCK)
+        assert pool.stats.memory_blocks == 4 and pool.stats.arena_slots > 0
+        target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11), (4, 8, 9, 10)), hashes, 1)]))
+        target.wait_for_loads(5.0)
+        assert target.finished_loads() == ({"b"}, set())
+        _assert_loaded(source, target)
+    finally:
+        io.close()
+
+
+def test_a_block_evicted_while_being_copied_fails_the_load(io):
+    class Evicted:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def view(self, start: int, stop: int):
+            return memoryview(self.data)[start:stop]
+
+        def intact(self) -> bool:
+            return False
+
+    source, target = _worker(io, fill=True), _worker(io, fill=False)
+    hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+    source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+        "a", ((5,), (1, 2)), tuple(enumerate(hashes)), hashes[1], 2 * BLOCK)]))
+    source.store()
+    stored = io.start_get
+    io.start_get = lambda model, refs: _done([Block(b.group_id, b.block_hash, Evicted(b.data))
+                                              for b in stored(model, refs).result()])
+    target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
+    assert target.finished_loads() == ({"b"}, {"b"})
+    assert target.counters().loads_failed == 1
+
+
+def _assert_loaded(source: PoolWorker, target: PoolWorker) -> None:
+    """The source's blocks 2, 3 (and state page 5) are the target's 8, 9 (and 11); block 0 was the
+    target engine's own, not loaded."""
+    src, dst = source.layout.caches, target.layout.caches
+    assert torch.equal(dst["l1"][[8, 9]], src["l1"][[2, 3]]) and torch.equal(dst["l2"][:, [8, 9]], src["l2"][:, [2, 3]])
+    assert torch.equal(dst["l0"][11], src["l0"][5])
+    assert not dst["l1"][4].any()
+
+
+def _wait(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

@@ -24,49 +24,63 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprfaas/v1/cache_pool.proto\x12\tprfaas.v1\"\x89\x01\n\x0bPushRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63\x61ller_kv_port\x18\x05 \x01(\r\"5\n\x0cPushResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"r\n\x10\x44\x65scribeResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12.\n\rshared_memory\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.SharedMemory\x12\x0f\n\x07kv_port\x18\x04 \x01(\r\"J\n\x0cSharedMemory\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_file\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\"%\n\x07ShmFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"D\n\x0cKvCacheGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.prfaas.v1.GroupKind\"q\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.prfaas.v1.KvCacheGroup\"\x88\x01\n\x0eLookupResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x19\n\x11num_usable_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_usable_tokens\x18\x04 \x01(\r\x12!\n\x19num_full_attention_blocks\x18\x05 \x01(\r\"a\n\nCacheBlock\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1f\n\x03shm\x18\x04 \x01(\x0b\x32\x12.prfaas.v1.ShmFile\"o\n\nPutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\"B\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x18\n\x10num_bytes_stored\x18\x02 \x01(\x04\"5\n\rCacheBlockRef\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"q\n\nGetRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\"4\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\"\x17\n\x15\x43\x61\x63hePoolStatsRequest\"\xe2\x03\n\x0e\x43\x61\x63hePoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x15\n\rmemory_blocks\x18\x05 \x01(\r\x12\x18\n\x10ssd_budget_bytes\x18\x06 \x01(\x04\x12\x11\n\tssd_bytes\x18\x07 \x01(\x04\x12\x12\n\nssd_blocks\x18\x08 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x15\n\rnum_transfers\x18\n \x01(\r\x12\x1b\n\x13\x66ull_attention_hits\x18\x0b \x01(\x04\x12\x1d\n\x15\x66ull_attention_misses\x18\x0c \x01(\x04\x12\x1d\n\x15linear_attention_hits\x18\r \x01(\x04\x12\x1f\n\x17linear_attention_misses\x18\x0e \x01(\x04\x12\x18\n\x10memory_evictions\x18\x0f \x01(\x04\x12\x15\n\rssd_evictions\x18\x10 \x01(\x04\x12\x17\n\x0fssd_read_errors\x18\x11 \x01(\x04\x12\x13\n\x0bnum_lookups\x18\x12 \x01(\x04\x12\x1c\n\x14lookup_seconds_total\x18\x13 \x01(\x01*g\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1f\n\x1bGROUP_KIND_LINEAR_ATTENTION\x10\x02\x32\xfd\x02\n\tCachePool\x12=\n\x06Lookup\x12\x18.prfaas.v1.LookupRequest\x1a\x19.prfaas.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.prfaas.v1.PutRequest\x1a\x16.prfaas.v1.PutResponse\x12\x34\n\x03Get\x12\x15.prfaas.v1.GetRequest\x1a\x16.prfaas.v1.GetResponse\x12G\n\x08GetStats\x12 .prfaas.v1.CachePoolStatsRequest\x1a\x19.prfaas.v1.CachePoolStats\x12\x43\n\x08\x44\x65scribe\x12\x1a.prfaas.v1.DescribeRequest\x1a\x1b.prfaas.v1.DescribeResponse\x12\x37\n\x04Push\x12\x16.prfaas.v1.PushRequest\x1a\x17.prfaas.v1.PushResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprfaas/v1/cache_pool.proto\x12\tprfaas.v1\"8\n\x0bSharedArena\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x0c\"F\n\x0b\x41renaLayout\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cslots_offset\x18\x03 \x01(\x04\"<\n\x08\x41renaRef\x12\r\n\x05slots\x18\x01 \x03(\r\x12\x13\n\x0bgenerations\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"@\n\nBlockSpace\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\"[\n\x0eReserveRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.prfaas.v1.BlockSpace\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"\x89\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.prfaas.v1.ArenaRef\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.prfaas.v1.ArenaLayout\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\"0\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"\x89\x01\n\x0bPushRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63\x61ller_kv_port\x18\x05 \x01(\r\"5\n\x0cPushResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\x99\x01\n\x10\x44\x65scribeResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12.\n\rshared_memory\x18\x03 \x01(\x0b\x32\x17.prfaas.v1.SharedMemory\x12\x0f\n\x07kv_port\x18\x04 \x01(\r\x12%\n\x05\x61rena\x18\x05 \x01(\x0b\x32\x16.prfaas.v1.SharedArena\"J\n\x0cSharedMemory\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_file\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\"%\n\x07ShmFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"D\n\x0cKvCacheGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.prfaas.v1.GroupKind\"q\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.prfaas.v1.KvCacheGroup\"\x88\x01\n\x0eLookupResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x19\n\x11num_usable_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_usable_tokens\x18\x04 \x01(\r\x12!\n\x19num_full_attention_blocks\x18\x05 \x01(\r\"\x85\x01\n\nCacheBlock\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1f\n\x03shm\x18\x04 \x01(\x0b\x32\x12.prfaas.v1.ShmFile\x12\"\n\x05\x61rena\x18\x05 \x01(\x0b\x32\x13.prfaas.v1.ArenaRef\"o\n\nPutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_transfer_id\x18\x04 \x01(\t\"B\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x18\n\x10num_bytes_stored\x18\x02 \x01(\x04\"5\n\rCacheBlockRef\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"\x80\x01\n\nGetRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.prfaas.v1.CacheBlockRef\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\x12\r\n\x05\x61rena\x18\x05 \x01(\x08\"\\\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.prfaas.v1.CacheBlock\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.prfaas.v1.ArenaLayout\"\x17\n\x15\x43\x61\x63hePoolStatsRequest\"\xd9\x04\n\x0e\x43\x61\x63hePoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x15\n\rmemory_blocks\x18\x05 \x01(\r\x12\x18\n\x10ssd_budget_bytes\x18\x06 \x01(\x04\x12\x11\n\tssd_bytes\x18\x07 \x01(\x04\x12\x12\n\nssd_blocks\x18\x08 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x15\n\rnum_transfers\x18\n \x01(\r\x12\x1b\n\x13\x66ull_attention_hits\x18\x0b \x01(\x04\x12\x1d\n\x15\x66ull_attention_misses\x18\x0c \x01(\x04\x12\x1d\n\x15linear_attention_hits\x18\r \x01(\x04\x12\x1f\n\x17linear_attention_misses\x18\x0e \x01(\x04\x12\x18\n\x10memory_evictions\x18\x0f \x01(\x04\x12\x15\n\rssd_evictions\x18\x10 \x01(\x04\x12\x17\n\x0fssd_read_errors\x18\x11 \x01(\x04\x12\x13\n\x0bnum_lookups\x18\x12 \x01(\x04\x12\x1c\n\x14lookup_seconds_total\x18\x13 \x01(\x01\x12\x18\n\x10\x61rena_slot_bytes\x18\x14 \x01(\x04\x12\x13\n\x0b\x61rena_slots\x18\x15 \x01(\r\x12\x18\n\x10\x61rena_free_slots\x18\x16 \x01(\r\x12\x14\n\x0cleased_slots\x18\x17 \x01(\r\x12\x16\n\x0elease_expiries\x18\x18 \x01(\x04*g\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1f\n\x1bGROUP_KIND_LINEAR_ATTENTION\x10\x02\x32\xfb\x03\n\tCachePool\x12=\n\x06Lookup\x12\x18.prfaas.v1.LookupRequest\x1a\x19.prfaas.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.prfaas.v1.PutRequest\x1a\x16.prfaas.v1.PutResponse\x12\x34\n\x03Get\x12\x15.prfaas.v1.GetRequest\x1a\x16.prfaas.v1.GetResponse\x12G\n\x08GetStats\x12 .prfaas.v1.CachePoolStatsRequest\x1a\x19.prfaas.v1.CachePoolStats\x12\x43\n\x08\x44\x65scribe\x12\x1a.prfaas.v1.DescribeRequest\x1a\x1b.prfaas.v1.DescribeResponse\x12\x37\n\x04Push\x12\x16.prfaas.v1.PushRequest\x1a\x17.prfaas.v1.PushResponse\x12@\n\x07Reserve\x12\x19.prfaas.v1.ReserveRequest\x1a\x1a.prfaas.v1.ReserveResponse\x12:\n\x06\x43ommit\x12\x18.prfaas.v1.CommitRequest\x1a\x16.prfaas.v1.PutResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prfaas.v1.cache_pool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GROUPKIND']._serialized_start=1824
-  _globals['_GROUPKIND']._serialized_end=1927
-  _globals['_PUSHREQUEST']._serialized_start=42
-  _globals['_PUSHREQUEST']._serialized_end=179
-  _globals['_PUSHRESPONSE']._serialized_start=181
-  _globals['_PUSHRESPONSE']._serialized_end=234
-  _globals['_DESCRIBEREQUEST']._serialized_start=236
-  _globals['_DESCRIBEREQUEST']._serialized_end=253
-  _globals['_DESCRIBERESPONSE']._serialized_start=255
-  _globals['_DESCRIBERESPONSE']._serialized_end=369
-  _globals['_SHAREDMEMORY']._serialized_start=371
-  _globals['_SHAREDMEMORY']._serialized_end=445
-  _globals['_SHMFILE']._serialized_start=447
-  _globals['_SHMFILE']._serialized_end=484
-  _globals['_KVCACHEGROUP']._serialized_start=486
-  _globals['_KVCACHEGROUP']._serialized_end=554
-  _globals['_LOOKUPREQUEST']._serialized_start=556
-  _globals['_LOOKUPREQUEST']._serialized_end=669
-  _globals['_LOOKUPRESPONSE']._serialized_start=672
-  _globals['_LOOKUPRESPONSE']._serialized_end=808
-  _globals['_CACHEBLOCK']._serialized_start=810
-  _globals['_CACHEBLOCK']._serialized_end=907
-  _globals['_PUTREQUEST']._serialized_start=909
-  _globals['_PUTREQUEST']._serialized_end=1020
-  _globals['_PUTRESPONSE']._serialized_start=1022
-  _globals['_PUTRESPONSE']._serialized_end=1088
-  _globals['_CACHEBLOCKREF']._serialized_start=1090
-  _globals['_CACHEBLOCKREF']._serialized_end=1143
-  _globals['_GETREQUEST']._serialized_start=1145
-  _globals['_GETREQUEST']._serialized_end=1258
-  _globals['_GETRESPONSE']._serialized_start=1260
-  _globals['_GETRESPONSE']._serialized_end=1312
-  _globals['_CACHEPOOLSTATSREQUEST']._serialized_start=1314
-  _globals['_CACHEPOOLSTATSREQUEST']._serialized_end=1337
-  _globals['_CACHEPOOLSTATS']._serialized_start=1340
-  _globals['_CACHEPOOLSTATS']._serialized_end=1822
-  _globals['_CACHEPOOL']._serialized_start=1930
-  _globals['_CACHEPOOL']._serialized_end=2311
+  _globals['_GROUPKIND']._serialized_start=2617
+  _globals['_GROUPKIND']._serialized_end=2720
+  _globals['_SHAREDARENA']._serialized_start=41
+  _globals['_SHAREDARENA']._serialized_end=97
+  _globals['_ARENALAYOUT']._serialized_start=99
+  _globals['_ARENALAYOUT']._serialized_end=169
+  _globals['_ARENAREF']._serialized_start=171
+  _globals['_ARENAREF']._serialized_end=231
+  _globals['_BLOCKSPACE']._serialized_start=233
+  _globals['_BLOCKSPACE']._serialized_end=297
+  _globals['_RESERVEREQUEST']._serialized_start=299
+  _globals['_RESERVEREQUEST']._serialized_end=390
+  _globals['_RESERVERESPONSE']._serialized_start=393
+  _globals['_RESERVERESPONSE']._serialized_end=530
+  _globals['_COMMITREQUEST']._serialized_start=532
+  _globals['_COMMITREQUEST']._serialized_end=580
+  _globals['_PUSHREQUEST']._serialized_start=583
+  _globals['_PUSHREQUEST']._serialized_end=720
+  _globals['_PUSHRESPONSE']._serialized_start=722
+  _globals['_PUSHRESPONSE']._serialized_end=775
+  _globals['_DESCRIBEREQUEST']._serialized_start=777
+  _globals['_DESCRIBEREQUEST']._serialized_end=794
+  _globals['_DESCRIBERESPONSE']._serialized_start=797
+  _globals['_DESCRIBERESPONSE']._serialized_end=950
+  _globals['_SHAREDMEMORY']._serialized_start=952
+  _globals['_SHAREDMEMORY']._serialized_end=1026
+  _globals['_SHMFILE']._serialized_start=1028
+  _globals['_SHMFILE']._serialized_end=1065
+  _globals['_KVCACHEGROUP']._serialized_start=1067
+  _globals['_KVCACHEGROUP']._serialized_end=1135
+  _globals['_LOOKUPREQUEST']._serialized_start=1137
+  _globals['_LOOKUPREQUEST']._serialized_end=1250
+  _globals['_LOOKUPRESPONSE']._serialized_start=1253
+  _globals['_LOOKUPRESPONSE']._serialized_end=1389
+  _globals['_CACHEBLOCK']._serialized_start=1392
+  _globals['_CACHEBLOCK']._serialized_end=1525
+  _globals['_PUTREQUEST']._serialized_start=1527
+  _globals['_PUTREQUEST']._serialized_end=1638
+  _globals['_PUTRESPONSE']._serialized_start=1640
+  _globals['_PUTRESPONSE']._serialized_end=1706
+  _globals['_CACHEBLOCKREF']._serialized_start=1708
+  _globals['_CACHEBLOCKREF']._serialized_end=1761
+  _globals['_GETREQUEST']._serialized_start=1764
+  _globals['_GETREQUEST']._serialized_end=1892
+  _globals['_GETRESPONSE']._serialized_start=1894
+  _globals['_GETRESPONSE']._serialized_end=1986
+  _globals['_CACHEPOOLSTATSREQUEST']._serialized_start=1988
+  _globals['_CACHEPOOLSTATSREQUEST']._serialized_end=2011
+  _globals['_CACHEPOOLSTATS']._serialized_start=2014
+  _globals['_CACHEPOOLSTATS']._serialized_end=2615
+  _globals['_CACHEPOOL']._serialized_start=2723
+  _globals['_CACHEPOOL']._serialized_end=3230
 # @@protoc_insertion_point(module_scope)

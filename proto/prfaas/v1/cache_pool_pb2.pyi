@@ -16,6 +16,76 @@ GROUP_KIND_UNSPECIFIED: GroupKind
 GROUP_KIND_FULL_ATTENTION: GroupKind
 GROUP_KIND_LINEAR_ATTENTION: GroupKind
 
+class SharedArena(_message.Message):
+    __slots__ = ("path", "size", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class ArenaLayout(_message.Message):
+    __slots__ = ("token", "slot_bytes", "slots_offset")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    slot_bytes: int
+    slots_offset: int
+    def __init__(self, token: _Optional[bytes] = ..., slot_bytes: _Optional[int] = ..., slots_offset: _Optional[int] = ...) -> None: ...
+
+class ArenaRef(_message.Message):
+    __slots__ = ("slots", "generations", "size")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    size: int
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BlockSpace(_message.Message):
+    __slots__ = ("group_id", "block_hash", "size")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    block_hash: bytes
+    size: int
+    def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("model", "blocks", "transfer_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockSpace]
+    transfer_id: str
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockSpace, _Mapping]]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "blocks", "layout", "lease_timeout_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[ArenaRef]
+    layout: ArenaLayout
+    lease_timeout_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ArenaRef, _Mapping]]] = ..., layout: _Optional[_Union[ArenaLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id", "abort")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    abort: bool
+    def __init__(self, lease_id: _Optional[str] = ..., abort: _Optional[bool] = ...) -> None: ...
+
 class PushRequest(_message.Message):
     __slots__ = ("model", "blocks", "kv_target", "kv_transfer_id", "caller_kv_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -43,16 +113,18 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("pool", "cluster", "shared_memory", "kv_port")
+    __slots__ = ("pool", "cluster", "shared_memory", "kv_port", "arena")
     POOL_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     KV_PORT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     pool: str
     cluster: str
     shared_memory: SharedMemory
     kv_port: int
-    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., kv_port: _Optional[int] = ...) -> None: ...
+    arena: SharedArena
+    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., kv_port: _Optional[int] = ..., arena: _Optional[_Union[SharedArena, _Mapping]] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
     __slots__ = ("directory", "probe_file", "probe_token")
@@ -107,16 +179,18 @@ class LookupResponse(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., num_usable_blocks: _Optional[int] = ..., num_usable_tokens: _Optional[int] = ..., num_full_attention_blocks: _Optional[int] = ...) -> None: ...
 
 class CacheBlock(_message.Message):
-    __slots__ = ("group_id", "block_hash", "data", "shm")
+    __slots__ = ("group_id", "block_hash", "data", "shm", "arena")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     block_hash: bytes
     data: bytes
     shm: ShmFile
-    def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ...) -> None: ...
+    arena: ArenaRef
+    def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("model", "blocks", "transfer_id", "kv_transfer_id")
@@ -147,29 +221,33 @@ class CacheBlockRef(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("model", "blocks", "transfer_id", "shared_memory")
+    __slots__ = ("model", "blocks", "transfer_id", "shared_memory", "arena")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     model: str
     blocks: _containers.RepeatedCompositeFieldContainer[CacheBlockRef]
     transfer_id: str
     shared_memory: bool
-    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., transfer_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    arena: bool
+    def __init__(self, model: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CacheBlockRef, _Mapping]]] = ..., transfer_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., arena: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "layout")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[CacheBlock]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[CacheBlock, _Mapping]]] = ...) -> None: ...
+    layout: ArenaLayout
+    def __init__(self, blocks: _Optional[_Iterable[_Union[CacheBlock, _Mapping]]] = ..., layout: _Optional[_Union[ArenaLayout, _Mapping]] = ...) -> None: ...
 
 class CachePoolStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CachePoolStats(_message.Message):
-    __slots__ = ("pool", "cluster", "memory_budget_bytes", "memory_bytes", "memory_blocks", "ssd_budget_bytes", "ssd_bytes", "ssd_blocks", "transfer_bytes", "num_transfers", "full_attention_hits", "full_attention_misses", "linear_attention_hits", "linear_attention_misses", "memory_evictions", "ssd_evictions", "ssd_read_errors", "num_lookups", "lookup_seconds_total")
+    __slots__ = ("pool", "cluster", "memory_budget_bytes", "memory_bytes", "memory_blocks", "ssd_budget_bytes", "ssd_bytes", "ssd_blocks", "transfer_bytes", "num_transfers", "full_attention_hits", "full_attention_misses", "linear_attention_hits", "linear_attention_misses", "memory_evictions", "ssd_evictions", "ssd_read_errors", "num_lookups", "lookup_seconds_total", "arena_slot_bytes", "arena_slots", "arena_free_slots", "leased_slots", "lease_expiries")
     POOL_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +267,11 @@ class CachePoolStats(_message.Message):
     SSD_READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     cluster: str
     memory_budget_bytes: int
@@ -208,4 +291,9 @@ class CachePoolStats(_message.Message):
     ssd_read_errors: int
     num_lookups: int
     lookup_seconds_total: float
-    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., ssd_budget_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., num_transfers: _Optional[int] = ..., full_attention_hits: _Optional[int] = ..., full_attention_misses: _Optional[int] = ..., linear_attention_hits: _Optional[int] = ..., linear_attention_misses: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., ssd_evictions: _Optional[int] = ..., ssd_read_errors: _Optional[int] = ..., num_lookups: _Optional[int] = ..., lookup_seconds_total: _Optional[float] = ...) -> None: ...
+    arena_slot_bytes: int
+    arena_slots: int
+    arena_free_slots: int
+    leased_slots: int
+    lease_expiries: int
+    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., ssd_budget_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., num_transfers: _Optional[int] = ..., full_attention_hits: _Optional[int] = ..., full_attention_misses: _Optional[int] = ..., linear_attention_hits: _Optional[int] = ..., linear_attention_misses: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., ssd_evictions: _Optional[int] = ..., ssd_read_errors: _Optional[int] = ..., num_lookups: _Optional[int] = ..., lookup_seconds_total: _Optional[float] = ..., arena_slot_bytes: _Optional[int] = ..., arena_slots: _Optional[int] = ..., arena_free_slots: _Optional[int] = ..., leased_slots: _Optional[int] = ..., lease_expiries: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,16 @@ class CachePoolStub:
                 request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/prfaas.v1.CachePool/Reserve',
+                request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/prfaas.v1.CachePool/Commit',
+                request_serializer=prfaas_dot_v1_dot_cache__pool__pb2.CommitRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.PutResponse.FromString,
+                _registered_method=True)
 
 
 class CachePoolServicer:
@@ -122,6 +132,25 @@ class CachePoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Leases arena slots for a Put by a client that maps the arena (see Describe): one ArenaRef per
+        block, in order; an empty one (no slots) means write nothing (already stored: refreshed, or it
+        cannot fit). The client copies each block into its slots and calls Commit within
+        `lease_timeout_s`, or the slots are freed. FAILED_PRECONDITION when the pool has no arena,
+        RESOURCE_EXHAUSTED when transfer blocks do not fit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Stores the blocks of a lease whose slots the client has written (or, with `abort`, frees them).
+        FAILED_PRECONDITION when the lease expired or is unknown: nothing was stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CachePoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +183,16 @@ def add_CachePoolServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.ReserveRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=prfaas_dot_v1_dot_cache__pool__pb2.CommitRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_cache__pool__pb2.PutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +357,60 @@ class CachePool:
             '/prfaas.v1.CachePool/Push',
             prfaas_dot_v1_dot_cache__pool__pb2.PushRequest.SerializeToString,
             prfaas_dot_v1_dot_cache__pool__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.CachePool/Reserve',
+            prfaas_dot_v1_dot_cache__pool__pb2.ReserveRequest.SerializeToString,
+            prfaas_dot_v1_dot_cache__pool__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.CachePool/Commit',
+            prfaas_dot_v1_dot_cache__pool__pb2.CommitRequest.SerializeToString,
+            prfaas_dot_v1_dot_cache__pool__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,

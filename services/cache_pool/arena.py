@@ -16,16 +16,18 @@ Get returned (``ArenaMapping.intact``): a slot reused after eviction is never re
 (Ordering: x86-64 keeps stores and loads in order, which this relies on.)
 
 Copies use numpy (one ``memcpy`` per run, GIL released), straight between the caller's buffers and
-the mapping.
+the mapping, a Put's or Get's blocks spread over a few threads (``copy_each``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,7 @@ TOKEN_BYTES = 16
 PAGE = 4096
 HEADER_BYTES = PAGE
 ARENA_PREFIX = "prfaas-arena-"
+COPY_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +194,27 @@ def copy_runs(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> N
             si, s_off = si + 1, 0
         if t_off == len(target):
             ti, t_off = ti + 1, 0
+
+
+def copy_each(copy: Callable[..., None], calls: Iterable[tuple]) -> None:
+    """``copy(*args)`` for each of ``calls``, spread over ``COPY_THREADS`` threads (numpy releases the
+    GIL while it copies, and one core alone does not reach the memory's bandwidth); the first
+    error is raised once every call has ended."""
+    calls = list(calls)
+    if len(calls) < 2 or COPY_THREADS == 1:
+        for args in calls:
+            copy(*args)
+        return
+    futures = [_copiers().submit(copy, *args) for args in calls]
+    for future in futures:
+        future.exception()
+    for future in futures:
+        future.result()
+
+
+@functools.cache
+def _copiers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="prfaas-arena-copy")
 
 
 def as_array(buffer) -> np.ndarray:

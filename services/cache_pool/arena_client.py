@@ -3,7 +3,8 @@ references that the caller copies out of and then checks.
 
 A Put copies each block's pieces (``Pieces``: e.g. one per layer, straight from the engine's
 tensors) into the slots the pool leased, in a worker thread, and commits; it aborts the lease when
-the copy fails, and stops copying once the lease's time is up (the pool may have reused the slots).
+the copy fails, and stops copying once half the lease's time is gone (after its timeout the pool
+reuses the slots).
 A Get's blocks come as ``ArenaView``s: zero-copy views whose ``intact()`` the caller checks after
 copying; ``False`` means the block was evicted meanwhile, a miss.
 """
@@ -14,11 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 from prfaas.v1 import cache_pool_pb2 as pb
 
 from services.cache_pool import convert
-from services.cache_pool.arena import ArenaBlock, ArenaLayout, ArenaMapping, as_array, copy_runs
+from services.cache_pool.arena import ArenaBlock, ArenaLayout, ArenaMapping, as_array, copy_each, copy_runs
 from services.cache_pool.types import Block, BlockMissingError, PutResult, pieces_of
 
 LEASE_MARGIN = 0.5  # stop copying once half the lease is gone: the rest is the commit's
@@ -75,9 +77,11 @@ async def put(stub, mapping: ArenaMapping, model: str, blocks: Sequence[Block], 
         layout = _layout(mapping, reserved.layout)
         deadline = started + reserved.lease_timeout_s * LEASE_MARGIN
         await asyncio.to_thread(_write, mapping, layout, blocks, reserved.blocks, deadline)
-    except BaseException:
-        await stub.Commit(pb.CommitRequest(lease_id=reserved.lease_id, abort=True))
+    except Exception:  # the copy did not happen or stopped: give the slots back now
+        await _abort(stub, reserved.lease_id)
         raise
+    # Cancelled mid-copy: the copying thread may still be writing, so the slots must not be reused
+    # yet; nothing is committed and the lease's timeout frees them.
     response = await stub.Commit(pb.CommitRequest(lease_id=reserved.lease_id))
     return PutResult(response.num_blocks_stored, response.num_bytes_stored)
 
@@ -106,11 +110,13 @@ def read(blocks: list[Block]) -> list[Block]:
 
 def read_into(blocks: list[Block], targets: Sequence[Sequence]) -> None:
     """Copy each block into its target buffers, then check (``BlockMissingError``: one was evicted)."""
-    for block, target in zip(blocks, targets, strict=True):
+    def copy(block: Block, target: Sequence) -> None:
         if isinstance(block.data, ArenaView):
             block.data.copy_into(target)
         else:
             copy_runs([as_array(block.data)], [as_array(t) for t in target])
+
+    copy_each(copy, zip(blocks, targets, strict=True))
     check(blocks)
 
 
@@ -120,13 +126,20 @@ def check(blocks: list[Block]) -> None:
             raise BlockMissingError((block.group_id, block.block_hash))
 
 
+async def _abort(stub, lease_id: str) -> None:
+    try:
+        await stub.Commit(pb.CommitRequest(lease_id=lease_id, abort=True))
+    except grpc.aio.AioRpcError:
+        pass  # the pool is gone or the lease expired: its slots are freed either way
+
+
 def _write(mapping: ArenaMapping, layout: ArenaLayout, blocks: Sequence[Block], refs, deadline: float) -> None:
-    for block, ref in zip(blocks, refs, strict=True):
-        if not ref.slots:
-            continue  # already stored, or no room: nothing to write
+    def write(block: Block, ref: pb.ArenaRef) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the Put's copy outlasted its lease; aborted")
         mapping.write(layout, convert.arena_block(ref, layout.slot_bytes), pieces_of(block.data))
+
+    copy_each(write, [(b, ref) for b, ref in zip(blocks, refs, strict=True) if ref.slots])  # no slots: nothing to write
 
 
 def _layout(mapping: ArenaMapping, message: pb.ArenaLayout) -> ArenaLayout:

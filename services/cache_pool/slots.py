@@ -1,7 +1,7 @@
 """The pool's side of the arena: which slots are free, and leases on slots handed out for a Put.
 
 Slot size: ``slot_bytes`` when configured (``arena_slot_kib``), else the largest block of the first
-Put, rounded up to 4 KiB (at least ``MIN_SLOT_BYTES``). An engine's full-attention blocks all have one
+Put (at least ``MIN_SLOT_BYTES``), rounded up to 4 KiB. An engine's full-attention blocks all have one
 size, so each then fills exactly one slot; a block of another size (a recurrent state, another model)
 takes as many slots as it needs, the last one partly. The layout is fixed from then on.
 
@@ -32,7 +32,7 @@ class Arena:
         self.layout: ArenaLayout | None = None
         self._free: deque[int] = deque()
         if slot_bytes:
-            self.decide_layout(slot_bytes)
+            self._lay_out(slot_bytes)
 
     @classmethod
     def create(cls, directory: str, pool_name: str, size: int, slot_bytes: int | None = None) -> "Arena":
@@ -45,10 +45,12 @@ class Arena:
     def decide_layout(self, block_bytes: int) -> ArenaLayout:
         """The layout, fixed by the first call (see the module's docstring)."""
         if self.layout is None:
-            slot_bytes = max(MIN_SLOT_BYTES, -(-block_bytes // PAGE) * PAGE)
-            self.layout = ArenaLayout.of(self.mapping.token, self.mapping.size, slot_bytes)
-            self._free.extend(range(self.layout.num_slots))
+            self._lay_out(max(MIN_SLOT_BYTES, block_bytes))
         return self.layout
+
+    def _lay_out(self, slot_bytes: int) -> None:
+        self.layout = ArenaLayout.of(self.mapping.token, self.mapping.size, -(-slot_bytes // PAGE) * PAGE)
+        self._free.extend(range(self.layout.num_slots))
 
     @property
     def num_slots(self) -> int:

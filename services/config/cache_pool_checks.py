@@ -23,9 +23,10 @@ def check_cache_pools(config: DeploymentConfig) -> None:
         clusters.add(pool.cluster)
         for key in ("port", "metrics_port", "kv_port", "health_port"):
             _check_port(pool, key, path, taken)
-        for key in ("memory_budget_gib", "ssd_budget_gib"):
-            if getattr(pool, key) <= 0:
-                raise ConfigError(f"{path}.{key}: must be positive, got {getattr(pool, key)!r}")
+        for key in ("memory_budget_gib", "ssd_budget_gib", "lease_timeout_s", "arena_slot_kib"):
+            value = getattr(pool, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{path}.{key}: must be positive, got {value!r}")
 
 
 def _check_port(pool: CachePoolConfig, key: str, path: str, taken: set[Endpoint]) -> None:

@@ -234,9 +234,9 @@ class CachePoolConfig:
         "that cannot open the arena, send bytes inline; so does every client when the tmpfs has no room for the "
         "arena (give containers a /dev/shm larger than the budget). Null: no arena, always inline.")
     arena_slot_kib: int | None = _opt(
-        None, "Size of one arena slot in KiB. Null: the largest block of the first Put, rounded up to 4 KiB "
-        "(at least 64 KiB), so that each of an engine's full-attention blocks fills one slot; a block of another "
-        "size takes as many slots as it needs.")
+        None, "Size of one arena slot in KiB (rounded up to a multiple of 4). Null: the largest block of the "
+        "first Put, at least 64 KiB, so that each of an engine's full-attention blocks fills one slot; a block of "
+        "another size takes as many slots as it needs.")
     lease_timeout_s: float = _opt(
         30.0, "Seconds a client has between reserving arena slots for a Put and committing it; the slots of a Put "
         "never committed (its client died) are freed after this.")

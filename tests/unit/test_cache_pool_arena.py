@@ -67,6 +67,16 @@ def test_the_first_put_fixes_the_slot_size_and_blocks_fill_whole_slots(arena_poo
     audit(arena_pool)
 
 
+def test_a_configured_slot_size_is_kept(tmp_path):
+    arena = Arena.create(str(tmp_path), "pool-s", ARENA_BYTES, slot_bytes=6000)
+    try:
+        pool = CachePool(ARENA_BYTES, arena=arena)
+        pool.put(MODEL, [Block(0, b"h", b"y" * (100 << 10))])
+        assert (pool.stats.arena_slot_bytes, pool.stats.arena_slots - pool.stats.arena_free_slots) == (8192, 13)
+    finally:
+        arena.close()
+
+
 def test_pieces_are_copied_into_slots_unjoined(arena_pool):
     parts = (b"a" * 1000, memoryview(b"b" * 3000), bytearray(b"c" * 500))
     arena_pool.put(MODEL, [Block(0, b"h", Pieces(parts))])

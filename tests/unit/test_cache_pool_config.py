@@ -29,6 +29,8 @@ def test_cache_pool_section_parses():
     ([{"name": "a", "port": 50061}], "cache_pools[0].port: 127.0.0.1:50061 is already used"),
     ([{"name": "a", "port": 50090, "metrics_port": 70000}], "cache_pools[0].metrics_port: 70000 is not a TCP port"),
     ([{"name": "a", "port": 50090, "memory_budget_gib": 0}], "cache_pools[0].memory_budget_gib: must be positive"),
+    ([{"name": "a", "port": 50090, "lease_timeout_s": 0}], "cache_pools[0].lease_timeout_s: must be positive"),
+    ([{"name": "a", "port": 50090, "arena_slot_kib": -4}], "cache_pools[0].arena_slot_kib: must be positive"),
     ([{"name": "a", "port": 50090, "cluster": "x"}], "cache_pools[0].cluster: 'x' is not allowed"),
     ([{"name": "a"}], "cache_pools[0].port: required key is missing"),
 ])

@@ -97,7 +97,7 @@ def pools(tmp_path):
     started = []
 
     def make(name: str) -> Pool:
-        pool = Pool(tmp_path, name)
+        pool = Pool(tmp_path, f"{name}-{os.getpid()}")  # a name no other test run's pool has
         started.append(pool)
         return pool.start()
 

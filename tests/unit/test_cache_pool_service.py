@@ -129,24 +129,20 @@ def _block(group_id, block_hash):
     return Block(group_id, block_hash, payload(block_hash, group_id))
 
 
-def _arena_files(pool: str = "pool-local") -> list[str]:
-    return [name for name in os.listdir(SHM_DIR) if name.startswith(f"prfaas-arena-{pool}-")]
-
-
 def _blocks(seed: int, count: int = 16) -> list[Block]:
     return [Block(1, h, payload(h, 1, BLOCK_BYTES)) for h in hashes(prompt(count, seed=seed))]
 
 
 def test_a_client_on_the_pools_host_moves_block_bytes_through_the_arena_within_the_budget(pool_process):
     process, stub, _, address = pool_process
-    (arena_file,) = _arena_files()
 
     async def run():
         client = CachePoolClient(address)
         try:
             arena = await client.arena()
-            assert arena is not None and arena.path == os.path.join(os.path.realpath(SHM_DIR), arena_file)
-            assert arena.size == BUDGET_BYTES  # the whole budget, allocated at start
+            assert os.path.dirname(arena.path) == os.path.realpath(SHM_DIR)
+            assert os.path.basename(arena.path).startswith(f"prfaas-arena-pool-local-{process.pid}-")
+            assert arena.size == os.path.getsize(arena.path) == BUDGET_BYTES  # the whole budget, from the start
             blocks = _blocks(seed=1)
             assert (await client.put(MODEL, blocks)).num_blocks_stored == 16
             stats = await client.stats()
@@ -176,10 +172,11 @@ def test_a_client_on_the_pools_host_moves_block_bytes_through_the_arena_within_t
             assert [b.data for b in await inline.get(MODEL, [(1, b.block_hash) for b in latest])] == \
                 [b.data for b in latest]
             await inline.close()
+            return arena.path
         finally:
             await client.close()
 
-    asyncio.run(run())
+    arena_path = asyncio.run(run())
     held = stub.GetStats(pb.CachePoolStatsRequest()).memory_blocks
     request = pb.PutRequest(model=MODEL, blocks=[pb.CacheBlock(group_id=1, block_hash=b"h" * 16,
                                                                shm=pb.ShmFile(name="prfaas-put-1", size=BLOCK_BYTES))])
@@ -188,7 +185,7 @@ def test_a_client_on_the_pools_host_moves_block_bytes_through_the_arena_within_t
     assert stub.GetStats(pb.CachePoolStatsRequest()).memory_blocks == held
     process.send_signal(signal.SIGTERM)
     assert process.wait(15) == 0
-    assert not _arena_files()  # a clean stop removes the arena
+    assert not os.path.exists(arena_path)  # a clean stop removes the arena
 
 
 @pytest.mark.parametrize("kv_host", ["127.0.0.1", ""], ids=["put-and-get", "put-only"])

@@ -68,6 +68,14 @@ class _PoolCollector:
         yield CounterMetricFamily("prfaas_cache_pool_ssd_read_errors",
                                   "SSD entries missing or failing their checksum (served as misses).",
                                   value=s.ssd_read_errors)
+        held = s.arena_slots - s.arena_free_slots - s.leased_slots
+        yield _labelled(GaugeMetricFamily, "prfaas_cache_pool_arena_slots",
+                        "Slots of the shared-memory arena by state (all 0 without an arena, or before the first "
+                        "Put fixes the slot size).", "state",
+                        {"stored": held, "free": s.arena_free_slots, "leased": s.leased_slots})
+        yield CounterMetricFamily("prfaas_cache_pool_lease_expiries",
+                                  "Put leases on arena slots that expired before their commit (a client died or "
+                                  "stalled mid-Put); their slots were freed.", value=s.lease_expiries)
 
 
 class _RejectionCollector:

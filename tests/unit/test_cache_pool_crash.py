@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -59,10 +60,10 @@ class Pool:
 
     def __init__(self, directory: Path, name: str) -> None:
         self.name = name
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.config = write_pool_config(directory, {
-            "name": name, "port": self.port, "memory_budget_gib": BUDGET_BYTES / 2**30,
-            "lease_timeout_s": LEASE_TIMEOUT_S})
+            "name": name, "port": self.port, "metrics_port": self.metrics_port,
+            "memory_budget_gib": BUDGET_BYTES / 2**30, "lease_timeout_s": LEASE_TIMEOUT_S})
         self.channel = GrpcSecurity().channel(self.address)
         self.stub = pb_grpc.CachePoolStub(self.channel)
         self.process: subprocess.Popen | None = None
@@ -174,6 +175,9 @@ def test_a_client_killed_mid_put_leaks_no_slot_once_its_lease_expires(pools):
     stats = pool.stats()
     assert (stats.lease_expiries, stats.memory_blocks) == (1, 16)
     audit(stats)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{pool.metrics_port}/metrics").read().decode()
+    assert "prfaas_cache_pool_lease_expiries_total 1.0" in metrics
+    assert 'prfaas_cache_pool_arena_slots{state="leased"} 0.0' in metrics
     assert _usable_blocks(pool, seed=99, count=8) == 0  # the uncommitted blocks were never stored
     assert [b.data for b in asyncio.run(put_and_read(kept))] == [b.data for b in kept]
 

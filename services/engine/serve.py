@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
+from services.engine import shm_ledger
 from services.engine.engine import Engine
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
@@ -71,10 +72,13 @@ async def serve_worker(
     logger.info("%s %s listening on %s (%s); starting engine", worker.service, worker.name, address,
                 _describe(security))
     stop = _stop_event()
+    ledger = shm_ledger.ledger_path(worker.name, worker.host, worker.port)
+    shm_ledger.sweep(ledger)
     try:
         await _start_engine(engine, stop)
         if stop.is_set():
             return
+        shm_ledger.record(ledger)
         await _set_health(health_servicer, service_name, SERVING)
         logger.info("%s %s ready", worker.service, worker.name)
         await _watch_engine(engine, stop)
@@ -86,6 +90,7 @@ async def serve_worker(
         if probes is not None:
             await probes.stop(0)
         engine.shutdown()
+        shm_ledger.forget(ledger)
         logger.info("%s %s stopped", worker.service, worker.name)
 
 

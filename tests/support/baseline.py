@@ -12,19 +12,30 @@ more than the model and the prompt:
 from __future__ import annotations
 
 import json
+import tempfile
 
 from services.engine.args import resolve_dtype
 from support.deployment import run_python
 
 
 def colocated_greedy(model_path: str, prompts: list[list[int]], budgets: list[int], max_tokens: int,
-                     **engine) -> list[str]:
-    """Text of ``max_tokens`` greedy tokens (EOS ignored) per prompt, each prefilled with its budget."""
+                     cpu: int = 0, **engine) -> list[str]:
+    """Text of ``max_tokens`` greedy tokens (EOS ignored) per prompt, each prefilled with its budget,
+    on one OpenMP thread bound to ``cpu``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as inputs:  # too long for a command line
+        json.dump({"prompts": prompts, "budgets": budgets}, inputs)
+        inputs.flush()
+        return _run_reference(model_path, inputs.name, max_tokens, engine, cpu, timeout=300 + 3 * len(prompts))
+
+
+def _run_reference(model_path: str, inputs: str, max_tokens: int, engine: dict, cpu: int,
+                   timeout: float) -> list[str]:
     code = f"""
 import json
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-prompts, budgets = {prompts!r}, {budgets!r}
+inputs = json.load(open({inputs!r}))
+prompts, budgets = inputs["prompts"], inputs["budgets"]
 params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 texts = [None] * len(prompts)
 for budget in sorted(set(budgets)):
@@ -38,5 +49,6 @@ for budget in sorted(set(budgets)):
     del llm
 print("RESULT" + json.dumps(texts))
 """
-    out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu)},
+                     timeout=timeout)
     return json.loads(out.split("RESULT", 1)[1].splitlines()[0])

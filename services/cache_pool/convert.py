@@ -36,11 +36,12 @@ def lookup_query_to_proto(query: LookupQuery) -> pb.LookupRequest:
 def lookup_response(result: LookupResult, pool: str, cluster: str) -> pb.LookupResponse:
     return pb.LookupResponse(
         pool=pool, cluster=cluster, num_usable_blocks=result.num_usable_blocks,
-        num_usable_tokens=result.num_usable_tokens, num_full_attention_blocks=result.num_full_attention_blocks)
+        num_usable_tokens=result.num_usable_tokens, num_full_attention_blocks=result.num_full_attention_blocks,
+        model=result.model)
 
 
 def lookup_result_from_proto(response: pb.LookupResponse, block_size: int) -> LookupResult:
-    return LookupResult(response.num_usable_blocks, response.num_full_attention_blocks, block_size)
+    return LookupResult(response.num_usable_blocks, response.num_full_attention_blocks, block_size, response.model)
 
 
 def blocks_from_proto(blocks) -> list[Block]:

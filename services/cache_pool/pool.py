@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from services.cache_pool.arena import ArenaBlock, footprint
 from services.cache_pool.eviction import admits, lru_victims, prefix_budget_bytes
+from services.cache_pool.layouts import LayoutNames
 from services.cache_pool.memory import MemoryLru
 from services.cache_pool.slots import Arena, Lease, LeaseTable
 from services.cache_pool.ssd import SsdTier
@@ -44,19 +46,25 @@ class CachePool:
         self.lease_timeout_s = lease_timeout_s
         self._leases = LeaseTable(lease_timeout_s, clock)
         self._counters = PoolStats()
+        self._layouts = LayoutNames()
 
     def contains(self, key: BlockKey) -> bool:
         """Whether a prefix-cache block is stored in any tier (transfer blocks never count)."""
         return key in self._memory or (self.ssd is not None and key in self.ssd)
 
     def lookup(self, query: LookupQuery) -> LookupResult:
-        """The longest usable prefix of the query's prompt (see ``usable_prefix``); index only."""
-        result = usable_prefix(query, self.contains)
+        """The longest usable prefix of the query's prompt (see ``usable_prefix``); index only. A model
+        key without a layout (the router's) is answered for the best of the layouts stored under that
+        name; ``result.model`` is the key the answer is for."""
+        results = [usable_prefix(replace(query, model=model), self.contains)
+                   for model in self._layouts.candidates(query.model)]
+        result = max(results, key=lambda r: (r.num_usable_blocks, r.num_full_attention_blocks))
         self._count_lookup(query, result)
         return result
 
     def put(self, model: str, blocks: Sequence[Block], transfer_id: str = "") -> PutResult:
         """Store blocks given in prompt order (their bytes inline); with ``transfer_id`` as one transfer's."""
+        self._layouts.record(model)
         if self.arena is not None and blocks:
             lease = self.reserve(model, [(b.group_id, b.block_hash, len(b.data)) for b in blocks], transfer_id)
             for block, (_, slots) in zip(blocks, lease.entries):
@@ -76,6 +84,7 @@ class CachePool:
         """Arena slots for a Put, held under a lease until ``commit`` (or its timeout). A prefix block
         already in memory is refreshed instead, and one that cannot fit gets none (entry None: write
         nothing). ``PoolFullError`` when transfer blocks do not fit."""
+        self._layouts.record(model)
         arena = self.arena
         if arena is None:
             raise ValueError("this pool has no arena (shared memory): send block bytes inline")

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -75,7 +76,10 @@ class CrossClusterCopier:
         return num_copied
 
     async def _copy(self, source: str, target: str, block_hashes: tuple[bytes, ...]) -> tuple[int, int]:
+        """Blocks are copied under the key (model and layout) the source holds them under."""
         query = LookupQuery(self._model, self._block_size, block_hashes, self._groups)
+        model = (await self._clients[source].lookup(query)).model or self._model
+        query = replace(query, model=model)
         held = await self._clients[target].lookup(query)
         if held.num_usable_blocks >= len(block_hashes):
             return 0, 0
@@ -86,15 +90,15 @@ class CrossClusterCopier:
         if kv_target is not None and await source_client.kv_address() is not None:
             # Pool to pool over the KV transport; the router only makes the two calls.
             transfer_id = f"cache-copy-{uuid.uuid4().hex}"
-            stored = asyncio.ensure_future(target_client.put_pushed(self._model, refs, transfer_id))
+            stored = asyncio.ensure_future(target_client.put_pushed(model, refs, transfer_id))
             try:
-                pushed = await source_client.push(self._model, refs, kv_target, transfer_id)
+                pushed = await source_client.push(model, refs, kv_target, transfer_id)
                 await stored
             finally:
                 stored.cancel()
             return pushed.num_blocks_stored, pushed.num_bytes_stored
-        blocks = await source_client.get(self._model, refs)
-        await target_client.put(self._model, blocks)
+        blocks = await source_client.get(model, refs)
+        await target_client.put(model, blocks)
         return len(blocks), sum(len(b.data) for b in blocks)
 
     async def close(self) -> None:

@@ -4,9 +4,26 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# (model, group_id, block_hash): ``model`` names the model and KV layout, so blocks of different
-# models never match; the hash of block i fingerprints the prompt's tokens [0, (i+1)·block_size).
+# (model, group_id, block_hash): ``model`` names the model and KV layout (``layout_key``), so blocks
+# of different models or layouts never match; the hash of block i fingerprints the prompt's tokens
+# [0, (i+1)·block_size).
 BlockKey = tuple[str, int, bytes]
+
+LAYOUT_MARK = "@layout:"
+
+
+def layout_key(model: str, fingerprint: str) -> str:
+    """The pool key of an engine: its model key and its KV layout's fingerprint."""
+    return f"{model}{LAYOUT_MARK}{fingerprint}"
+
+
+def has_layout(model: str) -> bool:
+    """Whether a model key names a layout (an engine's); the router's keys name only the model."""
+    return LAYOUT_MARK in model
+
+
+def model_name(model: str) -> str:
+    return model.partition(LAYOUT_MARK)[0]
 
 
 class GroupKind(enum.Enum):
@@ -59,6 +76,7 @@ class LookupResult:
     num_usable_blocks: int
     num_full_attention_blocks: int
     block_size: int
+    model: str = ""  # the key the answer is for (see ``CachePool.lookup``: a model name resolves to one)
 
     @property
     def num_usable_tokens(self) -> int:

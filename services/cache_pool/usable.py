@@ -18,7 +18,7 @@ def usable_prefix(query: LookupQuery, contains: Contains) -> LookupResult:
     """
     num_full = _full_attention_run(query, contains)
     num_usable = _last_linear_state(query, contains, num_full)
-    return LookupResult(num_usable, num_full, query.block_size)
+    return LookupResult(num_usable, num_full, query.block_size, query.model)
 
 
 def _full_attention_run(query: LookupQuery, contains: Contains) -> int:

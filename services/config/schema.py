@@ -182,8 +182,8 @@ class SchedulerConfig:
         "CPU build defaults to 128, its CUDA build to 16; hybrid models use larger blocks). Used "
         "when `cache_pools` are configured: the router then hashes each prompt, asks every cluster's pool for "
         "its cached prefix and offloads on the uncached (incremental) length.")
-    cache_model_key: str | None = _opt(None, "Model key of cache-pool lookups (names model and KV layout); "
-                                       "null: `model.name`.")
+    cache_model_key: str | None = _opt(None, "Model key of cache-pool entries (names the model); the engines "
+                                       "add their KV layout's fingerprint to it. null: `model.name`.")
     cache_kv_groups: tuple[Literal["full", "linear"], ...] = _opt(
         ("full",), "KV cache groups of the model in group-id order (`full` attention or `linear` attention "
         "state) for cache-pool lookups; a hybrid model such as tiny-qwen3-next lists its linear groups too.")

@@ -73,6 +73,23 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     raise ValueError(f"cannot find the block dimension of a KV cache tensor of shape {tuple(tensor.shape)}")
 
 
+SPEC_FIELDS = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode", "sliding_window",
+               "shapes", "dtypes", "mamba_type", "page_size_bytes",
+               "kv_cache_specs")
+
+
+def spec_fingerprint(kv_cache_config) -> str:
+    """The per-block layout as the scheduler sees it (no tensors yet): per group, its spec kind, block
+    size, dtype, heads, head size, state shapes, page size and layer names, and the cache layout. Part
+    of every cache-pool key, so engines whose blocks differ never read each other's bytes."""
+    digest = hashlib.sha256(f"{getattr(kv_cache_config, 'kv_cache_layout', None)};".encode())
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        values = {name: getattr(spec, name) for name in SPEC_FIELDS if hasattr(spec, name)}
+        digest.update(f"{group_id}:{type(spec).__name__}:{values}:{list(group.layer_names)};".encode())
+    return digest.hexdigest()[:16]
+
+
 def _fingerprint(kv_caches: dict[str, torch.Tensor], layers: dict[str, LayerInfo]) -> str:
     """Equal on two engines exactly when their per-block layouts match (checked before a transfer)."""
     digest = hashlib.sha256()

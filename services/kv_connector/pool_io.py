@@ -2,9 +2,10 @@
 loop with a ``CachePoolClient``. Hooks call ``start_*`` (never blocks) and get a
 ``concurrent.futures.Future``; they poll it with ``done()`` on later steps.
 
-``PoolModel`` says what the pool keys of this engine are: the model key, the tokens per block and
-each KV-cache group's kind, derived from vLLM's ``KVCacheConfig`` the same way in the scheduler and
-the worker process.
+``PoolModel`` says what the pool keys of this engine are: the model key with its KV layout's
+fingerprint (``layout.spec_fingerprint``: block size, dtype, heads, layers, groups), the tokens per
+block and each KV-cache group's kind, derived from vLLM's ``KVCacheConfig`` the same way in the
+scheduler and the worker process.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from services.cache_pool.types import (Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult,
-                                      group_ids)
+                                      group_ids, layout_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,8 @@ class PoolModel:
         or the full-attention groups disagree on the block size: the pool is then not used."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
+        from services.kv_connector.layout import spec_fingerprint
+
         groups, block_sizes = [], set()
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
@@ -53,7 +56,7 @@ class PoolModel:
                 return None
         if len(block_sizes) != 1:
             return None
-        return cls(model, block_sizes.pop(), tuple(groups))
+        return cls(layout_key(model, spec_fingerprint(kv_cache_config)), block_sizes.pop(), tuple(groups))
 
 
 class PoolIO:

@@ -14,6 +14,7 @@ from support.ports import refused_address
 from services.cache_pool.client import CachePoolClient
 from services.cache_pool.pool import CachePool
 from services.cache_pool.transfer import CrossClusterCopier
+from services.cache_pool.types import layout_key
 from services.kv_transport import TransportSettings
 from services.scheduling.offload import CacheTransfer
 from services.security import KnownPeers
@@ -22,18 +23,18 @@ from services.security import KnownPeers
 KV_SETTINGS = TransportSettings(secret="pool-secret", recv_idle_timeout_s=5.0)
 
 
-def _run(pool_server, source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False):
-    """Both pools filled, one transfer of the first ``prefix_blocks`` blocks; returns the pools, the
-    outcome callbacks' records and the bytes the target pool's KV listener received. ``kv``: both
-    pools have a KV transport, so bytes go pool to pool."""
+def _run(pool_server, source_blocks, target_blocks, prefix_blocks, addresses=None, kv=False, stored_as=MODEL):
+    """Both pools filled (under the key ``stored_as``), one transfer of the first ``prefix_blocks``
+    blocks; returns the pools, the outcome callbacks' records and the bytes the target pool's KV
+    listener received. ``kv``: both pools have a KV transport, so bytes go pool to pool."""
     pools = {"prfaas": CachePool(1 << 20), "local": CachePool(1 << 20)}
     options = {"kv_port": 0, "transport": KV_SETTINGS} if kv else {}
     servers = {"local": pool_server(pools["local"], "pool-local", "local", **options)}
     if kv:  # the source pool knows the target as a peer, as cache_pools[] in a config would tell it
         options["peers"] = _peers(servers["local"])
     servers["prfaas"] = pool_server(pools["prfaas"], "pool-prfaas", "prfaas", **options)
-    pools["prfaas"].put(MODEL, source_blocks)
-    pools["local"].put(MODEL, target_blocks)
+    pools["prfaas"].put(stored_as, source_blocks)
+    pools["local"].put(stored_as, target_blocks)
     addresses = addresses or {c: f"127.0.0.1:{s.port}" for c, s in servers.items()}
     copied, failed = [], []
 
@@ -55,6 +56,16 @@ def _run(pool_server, source_blocks, target_blocks, prefix_blocks, addresses=Non
 
 
 PROMPT = hashes(prompt(8))
+
+
+@pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])
+def test_blocks_cross_under_the_engines_layout_key_the_router_does_not_know(pool_server, kv):
+    """The router names the model only; the engines' blocks carry their layout in the key."""
+    engines_key = layout_key(MODEL, "0123456789abcdef")
+    source = blocks(FULL.group_id, PROMPT[:4]) + blocks(LINEAR.group_id, [PROMPT[3]])
+    pools, copied, failed, _ = _run(pool_server, source, [], prefix_blocks=4, kv=kv, stored_as=engines_key)
+    assert failed == [] and copied == [("prfaas", "local", 5, 500)]
+    assert pools["local"].lookup(query(PROMPT[:4], model=engines_key)).num_usable_blocks == 4
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["through-router", "pool-to-pool"])

@@ -277,7 +277,7 @@ def test_pool_io_round_trip_over_grpc(pool_server):
         hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
         blocks = [Block(g, h, bytes([i]) * 8) for i, h in enumerate(hashes) for g in (0, 1)]
         assert io.start_put(HYBRID.model, lambda: blocks).result(5).num_blocks_stored == 4
-        assert io.start_lookup(HYBRID.query(hashes)).result(5) == LookupResult(2, 2, BLOCK)
+        assert io.start_lookup(HYBRID.query(hashes)).result(5) == LookupResult(2, 2, BLOCK, HYBRID.model)
         assert io.start_get(HYBRID.model, [(0, hashes[1])]).result(5) == [blocks[2]]
         with pytest.raises(Exception, match="NOT_FOUND|not stored"):
             io.start_get("other-model", [(0, hashes[1])]).result(5)

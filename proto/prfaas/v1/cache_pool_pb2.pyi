@@ -165,18 +165,20 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("pool", "cluster", "num_usable_blocks", "num_usable_tokens", "num_full_attention_blocks")
+    __slots__ = ("pool", "cluster", "num_usable_blocks", "num_usable_tokens", "num_full_attention_blocks", "model")
     POOL_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     NUM_USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FULL_ATTENTION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     pool: str
     cluster: str
     num_usable_blocks: int
     num_usable_tokens: int
     num_full_attention_blocks: int
-    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., num_usable_blocks: _Optional[int] = ..., num_usable_tokens: _Optional[int] = ..., num_full_attention_blocks: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, pool: _Optional[str] = ..., cluster: _Optional[str] = ..., num_usable_blocks: _Optional[int] = ..., num_usable_tokens: _Optional[int] = ..., num_full_attention_blocks: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CacheBlock(_message.Message):
     __slots__ = ("group_id", "block_hash", "data", "shm", "arena")

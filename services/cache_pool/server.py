@@ -16,6 +16,7 @@ from services.cache_pool import convert
 from services.cache_pool.inbox import TransferError, TransferInbox
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.pool import CachePool
+from services.cache_pool.pushes import MAX_PENDING_PUSHES, Push, PushQueue, PushQueueFull
 from services.cache_pool.types import Block, BlockMissingError, LeaseExpiredError, PoolFullError, PoolStats
 from services.kv_transport import KVTransport, TransportSettings
 from services.security import GrpcSecurity, KnownPeers, Rejections
@@ -34,13 +35,16 @@ class PoolIdentity:
 
 class CachePoolServicer(pb_grpc.CachePoolServicer):
     def __init__(self, pool: CachePool, identity: PoolIdentity, inbox: TransferInbox | None = None,
-                 peers: KnownPeers = NO_PEERS, rejections: Rejections | None = None) -> None:
+                 peers: KnownPeers = NO_PEERS, rejections: Rejections | None = None,
+                 max_pending_pushes: int = MAX_PENDING_PUSHES) -> None:
         """The pool's arena (``pool.arena``), when it has one, is offered to clients on this host.
         ``inbox``: the pool's KV transport, for pool-to-pool copies (None: Push and kv Puts refused).
-        ``peers``: the other pools' KV addresses, the only ``kv_target``s a Push may name."""
+        ``peers``: the other pools' KV addresses, the only ``kv_target``s a Push may name.
+        ``max_pending_pushes``: Pushes queued for the KV transport at most (see ``pushes.py``)."""
         self._pool = pool
         self._identity = identity
         self._inbox = inbox
+        self._pushes = PushQueue(inbox.transport, max_pending_pushes) if inbox is not None else None
         self._peers = peers
         self.rejections = rejections or Rejections(identity.name)
         self._lock = threading.Lock()
@@ -120,6 +124,8 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
         return response
 
     def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
+        """Reads the blocks now and queues them for the KV transport's sender thread; never waits
+        for the transport. RESOURCE_EXHAUSTED when ``max_pending_pushes`` pushes are already queued."""
         if self._inbox is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pool has no KV transport (set its kv_port)")
         _parsed(convert.check_push, request, context)
@@ -131,10 +137,10 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
                           for b in self._pool.get(request.model, refs)]
         except BlockMissingError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, _missing_message(request, exc.args[0]))
-        transport = self._inbox.transport
-        for i, block in enumerate(blocks):
-            transport.send_block(target, request.kv_transfer_id, i, block.group_id, block.data)
-        transport.finish(target, request.kv_transfer_id)
+        try:
+            self._pushes.submit(Push(target, request.kv_transfer_id, blocks))
+        except PushQueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return pb.PushResponse(num_blocks=len(blocks), num_bytes=sum(len(b.data) for b in blocks))
 
     def _push_target(self, request: pb.PushRequest, context) -> str:
@@ -173,6 +179,7 @@ class CachePoolServicer(pb_grpc.CachePoolServicer):
             with self._lock:
                 self._pool.arena.close()
         if self._inbox is not None:
+            self._pushes.close()
             self._inbox.close()
 
     def _received(self, request: pb.PutRequest, context) -> list[Block]:

@@ -126,7 +126,8 @@ class CachePoolServicer:
         layer i carrying blocks[i]: to another pool's KV port (from its Describe), which stores them on
         a Put with that kv_transfer_id, or to a client's own KV listener (a Get over the transport). All or nothing: NOT_FOUND names the first missing
         block, FAILED_PRECONDITION when this pool has no KV transport. Returns once the bytes are
-        queued for sending.
+        queued for sending (the pool's sender thread waits out the transport's backpressure, never
+        the call); RESOURCE_EXHAUSTED when the queue of pushes waiting to be sent is full: retry later.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,7 +6,9 @@ the background; ``num_matched_tokens`` answers None ("ask again") until it retur
 longer than the engine's own cache hit is loaded asynchronously into the blocks vLLM allocates. At
 most ``N-1`` prompt tokens are looked up, so the engine always computes at least one. Each step's
 newly computed prompt blocks (and recurrent states where a step ends on a block boundary) become a
-``PoolStoreSpec`` for the worker. One load attempt per request: a failed load is recomputed.
+``PoolStoreSpec`` for the worker; a consumer of a KV stream stores the blocks it received too, at its
+first computed step (vLLM schedules it only once they are in place). One load attempt per request:
+a failed load is recomputed.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class _Prompt:
     num_usable_blocks: int | None = None
     load_decided: bool = False
     num_stored_tokens: int = 0  # prompt tokens [0, n) already handed to the worker for storing
+    received: bool = False  # its KV comes over the KV transport: stored from token 0, never looked up
 
 
 class PoolPlanner:
@@ -48,15 +51,18 @@ class PoolPlanner:
         self._loads: list[PoolLoadSpec] = []
         self._abandoned: list[str] = []
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Any, look_up: bool = True) -> None:
+        """``look_up`` False: a consumer of a KV stream, whose received blocks are stored once the
+        engine has them (its first computed step), and nothing is loaded."""
         block_size = self.model.block_size
         hashes = tuple(prompt_block_hashes(request.prompt_token_ids, block_size))
         max_blocks = (request.num_prompt_tokens - 1) // block_size
         lookup = None
-        if max_blocks > 0:
+        if max_blocks > 0 and look_up:
             lookup = self._io.start_lookup(self.model.query(hashes[:max_blocks]))
         deadline = self._clock() + self._io.lookup_timeout_s + LOOKUP_GRACE_S
-        self._prompts[request.request_id] = _Prompt(hashes, request.num_prompt_tokens, lookup, deadline)
+        self._prompts[request.request_id] = _Prompt(hashes, request.num_prompt_tokens, lookup, deadline,
+                                                    received=not look_up)
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens the pool can add beyond ``num_computed_tokens``; None while the lookup runs."""
@@ -129,7 +135,7 @@ class PoolPlanner:
 
     def _store(self, meta: PrfaasConnectorMetadata, req_id: str, prompt: _Prompt, num_computed: int,
                num_scheduled: int) -> None:
-        start = max(num_computed, prompt.num_stored_tokens)
+        start = prompt.num_stored_tokens if prompt.received else max(num_computed, prompt.num_stored_tokens)
         end = min(num_computed + num_scheduled, prompt.num_tokens)
         if start >= end:
             return

@@ -4,8 +4,9 @@ Runs in vLLM's engine-core process; no network here. Producer requests compute `
 (the last prompt token is dropped and ``max_tokens`` set to 1) and each step's newly computed
 tokens become a ``SendSpec``. Consumer requests report ``N-1`` externally computed tokens, loaded
 asynchronously; the blocks vLLM allocated for them become a ``RecvSpec``. With a cache pool
-(``pool_scheduler.PoolPlanner``), every other request may load a cached prefix from it and stores
-the blocks it computes.
+(``pool_scheduler.PoolPlanner``), every other request may load a cached prefix from it; every
+request stores the prompt blocks it computes or received over the KV transport, so the next turn of
+a conversation prefilled elsewhere is a hit in this cluster's pool.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ class PrfaasConnectorScheduler:
             self._producing[request.request_id] = _Producing(params, request.num_prompt_tokens, [])
             logger.debug("request %s: producing KV of %d tokens for %s", params.transfer_id,
                          request.num_prompt_tokens, params.peer)
-        if self._pool is not None and not _consumes(params):
-            self._pool.on_new_request(request)
+        if self._pool is not None:
+            self._pool.on_new_request(request, look_up=not _consumes(params))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = KvTransfer.of(request.kv_transfer_params)

@@ -35,11 +35,12 @@ BLOCK = 128  # the CPU backend's KV block size (SmolLM2)
 
 
 def _deployment(tmp_path_factory, model_name: str, engine: dict, block_size: int):
-    """The local cluster: ``pd-a`` (prefill role), ``pd-b`` (both), and its cache pool."""
+    """The local cluster: ``pd-a`` (prefill role), ``pd-b`` (both, receives KV streams), and its
+    cache pool."""
     config = deployment_config(
         [{"name": "pd-a", "service": "decode_worker", "role": "prefill", "engine": engine,
           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
-         {"name": "pd-b", "service": "decode_worker", "role": "both", "engine": engine,
+         {"name": "pd-b", "service": "decode_worker", "role": "both", "engine": engine, "kv_port": free_port(),
           "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
         model_path=f"builtin:{model_name}", model_name=model_name,
         scheduler={"cache_block_size": block_size},
@@ -131,6 +132,32 @@ def test_a_dense_prefix_prefilled_on_one_worker_is_loaded_by_another(smol):
     own_tokens = len(prompts["b"]) // BLOCK * BLOCK - SMOL_PREFIX
     assert wait_until(lambda: deployment.worker_stats("pd-b").kv_pool_tokens_stored == own_tokens, 10)
     assert deployment.worker_stats("pd-b").kv_pool_loads_failed == 0
+
+
+def test_a_worker_stores_the_kv_it_received_over_the_transport_in_its_pool(smol):
+    """The PD path by hand: pd-a prefills a new prompt and streams its KV to pd-b, which computes only
+    the last prompt token and stores the blocks it received, so a next turn there is a pool hit."""
+    deployment, _, _ = smol
+    prompt = corpus()[3500:3500 + 4 * BLOCK + 10]  # shares no block with A's or B's prompts
+    before = deployment.worker_stats("pd-b").kv_pool_tokens_stored
+    transfer_id = f"received-{uuid.uuid4().hex[:8]}"
+    pd_b = next(w for w in deployment.config["workers"] if w["name"] == "pd-b")
+    request = pb.GenerateRequest(request_id=transfer_id, prompt_token_ids=prompt,
+                                 sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True),
+                                 kv_source=pb.KvSource(transfer_id=transfer_id))
+    with deployment.security.channel(f"127.0.0.1:{pd_b['port']}") as channel, ThreadPoolExecutor(1) as executor:
+        replies = executor.submit(lambda: list(pb_grpc.DecodeWorkerStub(channel).Generate(request, timeout=300)))
+        pd_a = next(w for w in deployment.config["workers"] if w["name"] == "pd-a")
+        with deployment.security.channel(f"127.0.0.1:{pd_a['port']}") as prefill:
+            pb_grpc.PrefillWorkerStub(prefill).Prefill(pb.PrefillRequest(
+                request_id=transfer_id, prompt_token_ids=prompt, kv_target=f"127.0.0.1:{pd_b['kv_port']}",
+                transfer_id=transfer_id), timeout=300)
+        replies = replies.result()
+    assert sum(len(r.token_ids) for r in replies) == OUTPUT_TOKENS
+    assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
+    received_blocks = len(prompt) // BLOCK
+    assert wait_until(lambda: deployment.worker_stats("pd-b").kv_pool_tokens_stored == before + received_blocks * BLOCK,
+                      10), deployment.worker_stats("pd-b")
 
 
 # Tiny hybrid (3 Gated-DeltaNet + 1 full attention) ---------------------------------------------

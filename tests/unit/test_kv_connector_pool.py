@@ -175,11 +175,23 @@ def test_each_step_stores_the_blocks_it_completed_and_states_on_block_boundaries
     assert third.pool_stores == decode.pool_stores == []
 
 
-def test_consumers_of_a_kv_stream_neither_look_up_nor_store(scheduler, io):
-    request = _request("r1", 3 * BLOCK, kv_transfer_params=consume("t1").to_extra_args()["kv_transfer_params"])
+@pytest.mark.parametrize("num_tokens", [3 * BLOCK, 3 * BLOCK + 1])
+def test_consumers_of_a_kv_stream_look_nothing_up_and_store_what_they_received(scheduler, io, num_tokens):
+    """Blocks [0, N-1) came over the transport; the first step computes token N-1 and completes them."""
+    request = _request("r1", num_tokens, kv_transfer_params=consume("t1").to_extra_args()["kv_transfer_params"])
+    hashes = prompt_block_hashes(request.prompt_token_ids, BLOCK)
     scheduler.on_new_request(request)
     assert io.lookups == []
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * BLOCK - 1, True)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (num_tokens - 1, True)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([9], [1, 2, 3, 4])),
+                                       num_tokens - 1)
+    first = scheduler.build_connector_meta(_step(new=[("r1", ([9], [1, 2, 3, 4]), num_tokens - 1)],
+                                                 scheduled={"r1": 1}))
+    decode = scheduler.build_connector_meta(_step(cached=[("r1", None, num_tokens)], scheduled={"r1": 1}))
+    state = hashes[2] if num_tokens % BLOCK == 0 else None
+    assert first.pool_stores == [PoolStoreSpec("r1", ((9,), (1, 2, 3, 4)), tuple(enumerate(hashes[:3])), state,
+                                               num_tokens)]
+    assert decode.pool_stores == [] and first.pool_loads == []
 
 
 def test_an_aborted_load_is_abandoned_once(scheduler, io):

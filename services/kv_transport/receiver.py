@@ -84,6 +84,7 @@ class Receiver:
         self.bytes_received = 0
         self.frames_rejected = 0
         self.connections_refused = 0
+        self._refused_lock = threading.Lock()  # the accept thread and every handshake thread count
         self._closed = False
         self._resumed_at = 0.0  # when the I/O thread last got staging room after waiting for it
         self._joining: deque[_Connection] = deque()
@@ -125,11 +126,15 @@ class Receiver:
             threading.Thread(target=self._admit, args=(conn, peer), name="prfaas-kv-handshake", daemon=True).start()
 
     def _refuse_at_accept(self, conn: socket.socket, peer: str, why: str) -> None:
-        self.connections_refused += 1
-        if self.connections_refused & (self.connections_refused - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: no log flood
-            logger.warning("refused KV connection from %s: %s (%d refused so far)", peer, why,
-                           self.connections_refused)
+        refused = self._count_refused()
+        if refused & (refused - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: no log flood
+            logger.warning("refused KV connection from %s: %s (%d refused so far)", peer, why, refused)
         conn.close()
+
+    def _count_refused(self) -> int:
+        with self._refused_lock:
+            self.connections_refused += 1
+            return self.connections_refused
 
     def _admit(self, conn: socket.socket, peer: str) -> None:
         """Authenticate a new connection within ``handshake_timeout_s``, then hand it to the I/O
@@ -142,12 +147,12 @@ class Receiver:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             server_handshake(conn, self._settings.secret_bytes)
         except HandshakeRefused as exc:
-            self.connections_refused += 1
+            self._count_refused()
             logger.warning("refused KV connection from %s: %s", peer, exc)
             self._close(conn, peer)
             return
         except (ProtocolError, OSError, ssl.SSLError) as exc:
-            self.connections_refused += 1
+            self._count_refused()
             late = "" if deadline.is_alive() else f" (not authenticated within {self._settings.handshake_timeout_s} s)"
             logger.warning("KV connection from %s dropped during the handshake: %s%s", peer, exc, late)
             self._close(conn, peer)

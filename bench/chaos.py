@@ -533,6 +533,11 @@ def shm_files(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.iterdir()) if shm_dir.exists() else []
 
 
+def leftovers(run: Run, shm_dir: Path) -> list[str]:
+    """Files in the pools' directory, and shared-memory files any service mapped, that still exist."""
+    return shm_files(shm_dir) + sorted(Path(p).name for p in run.segments if os.path.exists(p))
+
+
 def listening(ports: list[int]) -> list[str]:
     out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if any(line.split()[3].endswith(f":{port}") for port in ports)]
@@ -765,8 +770,10 @@ def _run(run: Run, link, shm_dir: Path, prompts, expected) -> int:
         stop_load.set()
         stop_sampling.set()
         deployment.stop()
-    time.sleep(1.0)
-    after["shm_files_left"] = shm_files(shm_dir) + sorted(Path(p).name for p in run.segments if os.path.exists(p))
+    deadline = time.monotonic() + 10.0  # resource trackers unlink what their parents left, just after
+    while time.monotonic() < deadline and leftovers(run, shm_dir):
+        time.sleep(0.5)
+    after["shm_files_left"] = leftovers(run, shm_dir)
     after["listening_left"] = listening(ports_of(config))
     summary = summarize(run, after)
     print_table(summary, run)

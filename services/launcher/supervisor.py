@@ -17,6 +17,7 @@ from services.config import DeploymentConfig
 from services.security import GrpcSecurity
 
 STOP_TIMEOUT_S = 40.0
+GROUP_EXIT_S = 10.0  # after a service's main process exits, for the rest of its process group
 
 
 @dataclass(slots=True)
@@ -110,9 +111,22 @@ def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
             child.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+        # The rest of the group (vLLM's engine processes, multiprocessing's resource tracker, which
+        # unlinks leaked shared memory once its parent exits) gets a moment to finish before SIGKILL.
+        _wait_group_empty(child.process.pid, min(GROUP_EXIT_S, max(0.0, deadline - time.monotonic())))
         _signal_group(child, signal.SIGKILL)
         child.process.wait()
         child.log_file.close()
+
+
+def _wait_group_empty(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def _signal_group(child: Child, sig: int) -> None:

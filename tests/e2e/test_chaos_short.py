@@ -1,6 +1,7 @@
 """The chaos benchmark's short version, so that it cannot rot: bench/chaos.py for about two and a
 half minutes with three faults (the local cache pool killed and restarted, the WAN link dropped,
-the router restarted; a killed PrfaaS prefill worker is left to the benchmark: see docs/reliability.md) must meet the benchmark's own targets: no wrong, hung or lost answer, nothing
+the router restarted; a killed PrfaaS prefill worker is left to the benchmark, see
+docs/reliability.md) must meet the benchmark's own targets: no wrong, hung or lost answer, nothing
 leaked, and the requests no killed process held completed. The full run (5 minutes, every fault)
 is `python bench/chaos.py`; docs/reliability.md gives its figures. Needs root (skipped otherwise)."""
 from __future__ import annotations

@@ -11,6 +11,7 @@ from services.planner.profiles import PiecewiseLinear, PrefillCurves
 from services.planner.report import PlanResult
 from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig
 from services.scheduling.threshold import OffloadModel
+from services.simulator.runtime import RuntimeModel
 
 Policy = Literal["homogeneous", "naive", "static", "adaptive"]
 POLICIES: tuple[Policy, ...] = ("homogeneous", "naive", "static", "adaptive")
@@ -30,6 +31,7 @@ class Topology:
     prfaas_kv_bytes: PiecewiseLinear | None
     local_latency: PiecewiseLinear | None
     link_gbps: float
+    kv_bytes: PiecewiseLinear | None = None   # the model's KV bytes by length, for pool loads
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class RunSpec:
     reoptimize_interval_s: float = 300.0
     num_samples: int = 1000
     progress: bool = False
+    runtime: RuntimeModel = RuntimeModel()
 
 
 def workload_of(inputs: PlanInputs) -> Workload:
@@ -122,8 +125,12 @@ def _topology(inputs: PlanInputs, num_prfaas: int, prfaas_profile: str | None, n
     prfaas = PrefillCurves.from_profile(inputs.prefill_profiles[prfaas_profile]) if prfaas_profile else None
     local = PrefillCurves.from_profile(inputs.prefill_profiles[local_profile]) if local_profile else None
     decode = inputs.decode_profiles[decode_profile]
+    kv_profiles = [p for p in (prfaas_profile, local_profile, *inputs.prefill_profiles)
+                   if p and inputs.prefill_profiles[p].kv_size_mib is not None]
     return Topology(num_prfaas=num_prfaas, num_local_prefill=num_local, num_decode=num_decode,
                     max_batch_size=decode.max_batch_size, decode_step_s=decode.step_time_s,
                     prfaas_latency=prfaas.latency_s if prfaas else None,
                     prfaas_kv_bytes=prfaas.kv_bytes if prfaas else None,
-                    local_latency=local.latency_s if local else None, link_gbps=link_gbps)
+                    local_latency=local.latency_s if local else None, link_gbps=link_gbps,
+                    kv_bytes=PrefillCurves.from_profile(inputs.prefill_profiles[kv_profiles[0]]).kv_bytes
+                    if kv_profiles else None)

@@ -1,0 +1,190 @@
+"""One cluster's prefill instances, fed from one FIFO queue: whole requests, or vLLM's chunked steps.
+
+Whole requests (``chunk_tokens`` 0): an instance prefills one request at a time, for T(l) with
+l the request's uncached length and T the profile's latency curve.
+
+Chunked (``chunk_tokens`` B > 0, the engine's ``max_num_batched_tokens``): an instance runs steps
+of at most B tokens and forms them as vLLM's scheduler does by default: the requests it already
+runs first, in the order they started, each taking what it still needs up to the budget left, then
+new requests from the queue while budget is left. A piece covering a request's uncached tokens
+[a, b) costs T(b) - T(a), its first piece T(b) (which carries the fixed cost of a prefill), and a
+step costs the sum of its pieces; so a request alone on an instance takes T(l) whatever B, the
+time the profile measured. vLLM gives a running prefill the whole budget (no
+``long_prefill_token_threshold``), so a request queued behind a long prefill waits for that
+prefill's last step, which it shares. Steps that only continue one request are one event.
+
+Pool hits (``load_s`` > 0): the connector loads a cached prefix asynchronously, off the compute.
+When a request's turn comes its load starts and the instance takes the next request; once loaded,
+the request goes back to the head of the queue (vLLM leaves a request waiting for remote KV in its
+place).
+"""
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import deque
+from collections.abc import Callable
+
+from services.planner.profiles import PiecewiseLinear
+
+Finished = Callable[[float, int], None]
+
+
+class PrefillCluster:
+    def __init__(self, num_instances: int, latency: PiecewiseLinear | None, chunk_tokens: int, kinds: tuple[int, int],
+                 heap: list, arrival_t: array, num_requests: int) -> None:
+        """``kinds``: the heap event kinds of a finished prefill (or step) and of a finished pool
+        load; the owner routes those events to :meth:`on_event` and :meth:`on_loaded`."""
+        self.num_instances, self.latency, self.chunk_tokens = num_instances, latency, chunk_tokens
+        self.kind, self.loaded_kind = kinds
+        self.heap, self.arrival_t = heap, arrival_t
+        self.queue: deque[int] = deque()
+        self.free = num_instances
+        self.work = array("d", bytes(8 * num_requests))        # whole: T(l); chunked: l
+        self.load = array("d", bytes(8 * num_requests))        # pool load still to do, seconds
+        self.done = array("d", bytes(8 * num_requests)) if chunk_tokens else self.work
+        self.running: list[deque[int]] = [deque() for _ in range(num_instances)]
+        self.pieces: list[tuple[tuple[int, float], ...]] = [()] * num_instances
+        self.idle = list(range(num_instances - 1, -1, -1))
+        self.wait_s = 0.0
+        self.max_queue = 0
+        self.finished: Finished = _nothing
+        self.started: Finished | None = None
+        self.on_event = self._on_step if chunk_tokens else self._on_prefilled
+
+    def submit(self, now: float, rid: int, work: float, load_s: float = 0.0) -> None:
+        """A request arrives: ``work`` is its prefill time T(l) (whole) or its uncached tokens l (chunked)."""
+        self.work[rid] = work
+        if load_s:
+            self.load[rid] = load_s
+        if self.chunk_tokens:
+            self._append(rid)
+            if self.idle:
+                self._step(now, self.idle.pop())
+        elif self.free:
+            if load_s:
+                self._set_aside(now, rid)
+            else:
+                self.free -= 1
+                self._start(now, rid)
+        else:
+            self._append(rid)
+
+    def on_loaded(self, now: float, rid: int) -> None:
+        self.queue.appendleft(rid)
+        self.max_queue = max(self.max_queue, len(self.queue))
+        if self.chunk_tokens:
+            if self.idle:
+                self._step(now, self.idle.pop())
+        elif self.free:
+            self.free -= 1
+            self._next(now)
+
+    def _append(self, rid: int) -> None:
+        queue = self.queue
+        queue.append(rid)
+        if len(queue) > self.max_queue:
+            self.max_queue = len(queue)
+
+    def _set_aside(self, now: float, rid: int) -> None:
+        heapq.heappush(self.heap, (now + self.load[rid], self.loaded_kind, rid))
+        self.load[rid] = 0.0
+
+    def _take(self, now: float) -> int:
+        """The oldest queued request ready to compute (starting the loads of those before it); -1 if none."""
+        queue, load = self.queue, self.load
+        while queue:
+            rid = queue.popleft()
+            if load[rid]:
+                self._set_aside(now, rid)
+                continue
+            self.wait_s += now - self.arrival_t[rid]
+            if self.started is not None:
+                self.started(now, rid)
+            return rid
+        return -1
+
+    # Whole requests -----------------------------------------------------------------------------
+
+    def _start(self, now: float, rid: int) -> None:
+        heapq.heappush(self.heap, (now + self.work[rid], self.kind, rid))
+        if self.started is not None:
+            self.started(now, rid)
+
+    def _next(self, now: float) -> bool:
+        """Start the oldest ready request on the instance that just finished one; False if none."""
+        rid = self._take(now)
+        if rid < 0:
+            return False
+        heapq.heappush(self.heap, (now + self.work[rid], self.kind, rid))
+        return True
+
+    def _on_prefilled(self, now: float, rid: int) -> None:
+        if not self._next(now):
+            self.free += 1
+        self.finished(now, rid)
+
+    # Chunked steps ------------------------------------------------------------------------------
+
+    def _step(self, now: float, instance: int) -> None:
+        """Form and start ``instance``'s next step; it goes idle when nothing is left."""
+        budget, tokens, done, cost_of = float(self.chunk_tokens), self.work, self.done, self._cost
+        running = self.running[instance]
+        if running:
+            rid = running[0]
+            left = tokens[rid] - done[rid]
+            if left > budget:                                  # whole steps of one running prefill
+                end = done[rid] + (left // budget) * budget
+                self._schedule(now, instance, cost_of(rid, end if end < tokens[rid] else tokens[rid]),
+                               ((rid, end),))
+                return
+        pieces, cost = [], 0.0
+        for rid in running:
+            if budget <= 0:
+                break
+            end, budget = self._piece(rid, budget)
+            cost += cost_of(rid, end)
+            pieces.append((rid, end))
+        while budget > 0:
+            rid = self._take(now)
+            if rid < 0:
+                break
+            running.append(rid)
+            end, budget = self._piece(rid, budget)
+            cost += cost_of(rid, end)
+            pieces.append((rid, end))
+        if pieces:
+            self._schedule(now, instance, cost, tuple(pieces))
+        else:
+            self.idle.append(instance)
+
+    def _piece(self, rid: int, budget: float) -> tuple[float, float]:
+        """(where ``rid``'s piece of this step ends, the budget left after it)."""
+        left = self.work[rid] - self.done[rid]
+        if left <= budget:
+            return self.work[rid], budget - left
+        return self.done[rid] + budget, 0.0
+
+    def _cost(self, rid: int, end: float) -> float:
+        start = self.done[rid]
+        return self.latency(end) - self.latency(start) if start else self.latency(end)
+
+    def _schedule(self, now: float, instance: int, cost: float, pieces: tuple[tuple[int, float], ...]) -> None:
+        self.pieces[instance] = pieces
+        heapq.heappush(self.heap, (now + cost, self.kind, instance))
+
+    def _on_step(self, now: float, instance: int) -> None:
+        tokens, done, running = self.work, self.done, self.running[instance]
+        finished = []
+        for rid, end in self.pieces[instance]:
+            done[rid] = end
+            if end >= tokens[rid]:
+                finished.append(rid)
+                running.popleft()
+        self._step(now, instance)
+        for rid in finished:
+            self.finished(now, rid)
+
+
+def _nothing(now: float, rid: int) -> None:
+    return None

@@ -1,0 +1,120 @@
+"""What the runtime does that the paper's closed form ignores: the simulator's inputs for it.
+
+Every input's default leaves the simulator as it was: whole-request prefill, a link with no round
+trip, KV sent after the prefill, pool hits loaded in no time. They come from the config's
+``simulation:`` section (the same keys a measured profile can supply) and ``prfaas simulate`` flags.
+
+- ``chunk_tokens``: the engine's token budget per step (vLLM's ``max_num_batched_tokens``); 0
+  prefills each request whole. See :mod:`services.simulator.prefill` for how steps are formed.
+- ``link_rtt_ms``: the cross-cluster round trip. Each transfer's last byte lands half of it after it
+  is sent, and each of the transfer's ``connections`` TCP connections carries at most
+  ``connection_window_bytes`` per round trip (:meth:`RuntimeModel.window_bytes_per_s`).
+- ``connections``: TCP connections per peer pair (the transport's ``connections_per_peer``).
+- ``connection_window_bytes``: bytes one connection keeps in flight. The default is the send buffer
+  Linux autotunes up to (``tcp_wmem``'s maximum, 4 MiB) less what ``TCP_NOTSENT_LOWAT`` lets wait
+  unsent in it (the transport's ``notsent_lowat_bytes``, 1 MiB). 0: unbounded.
+- ``layerwise``: the prefill worker streams each layer's KV while later layers compute (as the
+  runtime does), so only the part of the transfer that does not fit under the prefill is exposed
+  (:func:`exposed_transfer_s`). Off: the KV is sent after the prefill, as the closed form assumes.
+- ``pool_load_gbps``: how fast a prefill instance loads a cache-pool hit (the prefix given by the
+  workload's ``prefix_hit``); 0: loads take no time.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+MIB = 1 << 20
+GBPS = 1e9 / 8
+CONNECTIONS_PER_PEER = 8            # services.kv_transport.settings.TransportSettings.connections_per_peer
+TCP_WMEM_MAX_BYTES = 4 * MIB        # Linux's default net.ipv4.tcp_wmem maximum
+NOTSENT_LOWAT_BYTES = 1 * MIB       # TransportSettings.notsent_lowat_bytes
+
+
+class RuntimeInputError(ValueError):
+    """A ``simulation:`` input that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeModel:
+    chunk_tokens: int = 0
+    link_rtt_ms: float = 0.0
+    connections: int = CONNECTIONS_PER_PEER
+    connection_window_bytes: int = TCP_WMEM_MAX_BYTES - NOTSENT_LOWAT_BYTES
+    layerwise: bool = False
+    pool_load_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [("chunk_tokens", self.chunk_tokens >= 0, "must be 0 (whole requests) or positive"),
+                  ("link_rtt_ms", self.link_rtt_ms >= 0, "must not be negative"),
+                  ("connections", self.connections >= 1, "must be at least 1"),
+                  ("connection_window_bytes", self.connection_window_bytes >= 0, "must be 0 (unbounded) or positive"),
+                  ("pool_load_gbps", self.pool_load_gbps >= 0, "must be 0 (loads take no time) or positive")]
+        for key, ok, message in checks:
+            if not ok:
+                raise RuntimeInputError(f"simulation.{key}: {message}, got {getattr(self, key)!r}")
+
+    @property
+    def one_way_s(self) -> float:
+        return self.link_rtt_ms / 2000.0
+
+    @property
+    def window_bytes_per_s(self) -> float:
+        """The most one transfer's connections carry: ``connections * window / RTT`` (infinite with
+        no round trip or an unbounded window)."""
+        if self.link_rtt_ms <= 0 or self.connection_window_bytes <= 0:
+            return math.inf
+        return self.connections * self.connection_window_bytes / (self.link_rtt_ms / 1000.0)
+
+    def link_bytes_per_s(self, gbps: float) -> float:
+        """What one transfer gets from a link of ``gbps``: the link's rate, or less when the
+        connections' windows bound it."""
+        return min(gbps * GBPS, self.window_bytes_per_s)
+
+    def load_s(self, kv_bytes: float) -> float:
+        return kv_bytes / (self.pool_load_gbps * GBPS) if self.pool_load_gbps > 0 else 0.0
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> RuntimeModel:
+        """These inputs with the non-None ``overrides`` (command-line flags) applied."""
+        return replace(self, **{key: value for key, value in overrides.items() if value is not None})
+
+
+def exposed_transfer_s(transfer_s: float, overlap_s: float) -> float:
+    """The part of a transfer left after the work it overlaps: ``max(0, transfer - overlap)``.
+    With layer-wise streaming a request's KV goes out while its prefill computes, so the overlap is
+    the prefill's duration; sent after the prefill, the overlap is 0."""
+    return max(0.0, transfer_s - overlap_s)
+
+
+def parse_runtime(raw: Any, path: str = "simulation") -> RuntimeModel:
+    """A ``simulation:`` mapping (absent: the defaults); unknown keys and wrong types are errors."""
+    if raw is None:
+        return RuntimeModel()
+    if not isinstance(raw, Mapping):
+        raise RuntimeInputError(f"{path}: expected a mapping, got {type(raw).__name__}")
+    known = {f.name: type(f.default) for f in fields(RuntimeModel)}
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise RuntimeInputError(f"{path}.{key}: unknown key (allowed: {', '.join(known)})")
+        values[key] = _typed(value, known[key], f"{path}.{key}")
+    try:
+        return RuntimeModel(**values)
+    except RuntimeInputError as exc:
+        raise RuntimeInputError(str(exc).replace("simulation.", f"{path}.", 1)) from None
+
+
+def _typed(value: Any, kind: type, path: str) -> Any:
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise RuntimeInputError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RuntimeInputError(f"{path}: expected a number, got {value!r}")
+    if kind is int:
+        if value != int(value):
+            raise RuntimeInputError(f"{path}: expected an integer, got {value!r}")
+        return int(value)
+    return float(value)

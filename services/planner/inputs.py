@@ -16,7 +16,7 @@ import yaml
 DISTRIBUTIONS = ("truncated_lognormal",)
 INTERPOLATIONS = ("piecewise_linear",)
 TOP_LEVEL_KEYS = ("model", "gpus_per_instance", "workload", "profiles", "interpolation", "deployments",
-                  "paper_results")
+                  "paper_results", "simulation")
 
 
 Node = dict[str, object]  # a YAML mapping
@@ -103,6 +103,7 @@ class PlanInputs:
     homogeneous_pd: HomogeneousDeployment | None = None
     naive_heterogeneous: NaiveDeployment | None = None
     paper_results: dict[str, Any] | None = None
+    simulation: dict[str, Any] | None = None  # the simulator's runtime inputs, checked by services.simulator.runtime
 
 
 def load_plan_inputs(path: str | Path) -> PlanInputs:
@@ -133,6 +134,7 @@ def parse_plan_inputs(raw: Any) -> PlanInputs:
         homogeneous_pd=_homogeneous(deployments.get("homogeneous_pd"), refs),
         naive_heterogeneous=_naive(deployments.get("naive_heterogeneous"), refs),
         paper_results=_mapping(paper, "paper_results") if paper is not None else None,
+        simulation=_mapping(root["simulation"], "simulation") if root.get("simulation") is not None else None,
     )
 
 

@@ -1,8 +1,10 @@
 """`prfaas simulate`: discrete-event simulation of PrfaaS-PD and its baselines under load."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 POLICY_CHOICES = ("all", "homogeneous", "naive", "static", "adaptive")
@@ -52,6 +54,7 @@ def register(subparsers) -> None:
     parser.add_argument("--reoptimize-interval", type=float, default=300.0,
                         help="adaptive: seconds between re-optimisations of the base threshold with the "
                         "planner's model at the current bandwidth and measured arrival rate (default: %(default)s)")
+    _add_runtime_arguments(parser)
     parser.add_argument("--compare-mean-length", action="store_true",
                         help="also report how much the mean-length simplification overstates capacity")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -59,17 +62,62 @@ def register(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
+def _add_runtime_arguments(parser) -> None:
+    from services.simulator.runtime import RuntimeModel
+
+    default = RuntimeModel()
+    group = parser.add_argument_group(
+        "runtime model", "What the runtime does and the paper's closed form ignores. Each flag overrides the "
+        "same key of the config's simulation: section; the defaults leave the closed form's assumptions.")
+    group.add_argument("--chunk-tokens", type=int, metavar="TOKENS",
+                       help="the engine's token budget per step (max_num_batched_tokens): prefills run in steps "
+                       "formed as vLLM's scheduler does (running requests first, then queued ones while budget "
+                       "is left), each piece priced from the latency curve; 0: whole requests "
+                       f"(default: {default.chunk_tokens})")
+    group.add_argument("--link-rtt-ms", type=float, metavar="MS",
+                       help="cross-cluster round trip: KV lands half of it after its last byte is sent, and "
+                       f"each connection carries at most its window per round trip (default: {default.link_rtt_ms:g})")
+    group.add_argument("--connections", type=int, metavar="N",
+                       help="TCP connections per transfer, as the KV transport's connections_per_peer "
+                       f"(default: {default.connections})")
+    group.add_argument("--connection-window-bytes", type=int, metavar="BYTES",
+                       help="bytes one connection keeps in flight; with a round trip, a transfer goes at most "
+                       "connections x window / RTT; 0: unbounded (default: "
+                       f"{default.connection_window_bytes}, Linux's 4 MiB tcp_wmem maximum less the transport's "
+                       "1 MiB notsent_lowat_bytes)")
+    group.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
+                       help="stream each layer's KV while later layers compute, so only the transfer time beyond "
+                       "the prefill is exposed (default: off, KV sent after the prefill)")
+    group.add_argument("--pool-load-gbps", type=float, metavar="GBPS",
+                       help="how fast a prefill instance loads a cache-pool hit (workload.prefix_hit), "
+                       "asynchronously while it computes other requests; 0: loads take no time "
+                       f"(default: {default.pool_load_gbps:g})")
+
+
+RUNTIME_FLAGS = ("chunk_tokens", "link_rtt_ms", "connections", "connection_window_bytes", "layerwise",
+                 "pool_load_gbps")
+
+
+def _runtime(args, inputs):
+    """The config's simulation: section with the command line's runtime flags on top."""
+    from services.simulator.runtime import parse_runtime
+
+    return parse_runtime(inputs.simulation).with_overrides({key: getattr(args, key) for key in RUNTIME_FLAGS})
+
+
 def _run(args) -> int:
     from services.planner.inputs import PlanInputError, load_plan_inputs
     from services.planner.report import run_plan
     from services.simulator.bandwidth import TraceError, parse_trace
+    from services.simulator.runtime import RuntimeInputError
 
     problem = _check_args(args)
     if problem:
         return _fail(problem)
     try:
         inputs = load_plan_inputs(args.config)
-    except PlanInputError as exc:
+        runtime = _runtime(args, inputs)
+    except (PlanInputError, RuntimeInputError) as exc:
         return _fail(str(exc))
     plan = run_plan(inputs)
     rate = args.rate if args.rate is not None else (args.load_factor or 0.9) * plan.prfaas.lambda_max
@@ -85,14 +133,14 @@ def _run(args) -> int:
         except MatplotlibMissing as exc:
             return _fail(str(exc))
     try:
-        results = _simulate_all(args, inputs, plan, rate, trace)
+        results = _simulate_all(args, inputs, plan, rate, trace, runtime)
     except ValueError as exc:
         return _fail(str(exc))
     out = {"planner": {"threshold_tokens": plan.prfaas.threshold_tokens, "n_p": plan.prfaas.num_prefill,
                        "n_d": plan.prfaas.num_decode, "lambda_max": plan.prfaas.lambda_max},
            "offered_rate": rate, "load_factor": rate / plan.prfaas.lambda_max,
            "arrivals": args.arrivals, "mean_length_mode": args.mean_length_mode,
-           "bandwidth_trace": [list(p) for p in trace],
+           "bandwidth_trace": [list(p) for p in trace], "runtime": asdict(runtime),
            "policies": {r.policy: r.summary() for r in results}}
     if args.compare_mean_length:
         from services.simulator.capacity import mean_length_overstatement
@@ -106,7 +154,7 @@ def _run(args) -> int:
     return 0
 
 
-def _simulate_all(args, inputs, plan, rate, trace):
+def _simulate_all(args, inputs, plan, rate, trace, runtime):
     from services.simulator.engine import simulate
     from services.simulator.setup import POLICIES, RunSpec, make_controller, topology_for, workload_of
 
@@ -118,7 +166,8 @@ def _simulate_all(args, inputs, plan, rate, trace):
                        bandwidth_trace=trace, mean_length_mode=args.mean_length_mode, seed=args.seed,
                        ttft_slo_s=args.ttft_slo, slo_factor=args.slo_factor,
                        observe_interval_s=args.observe_interval,
-                       reoptimize_interval_s=args.reoptimize_interval, progress=args.requests >= 200_000)
+                       reoptimize_interval_s=args.reoptimize_interval, progress=args.requests >= 200_000,
+                       runtime=runtime)
         controller = make_controller(inputs, plan, headroom=args.headroom) if policy == "adaptive" else None
         results.append(simulate(spec, controller))
     return results
@@ -133,7 +182,13 @@ def _check_args(args) -> str | None:
               (args.slo_factor > 0, "--slo-factor: must be positive"),
               (0 < args.headroom <= 1, "--headroom: must be in (0, 1]"),
               (args.observe_interval > 0, "--observe-interval: must be positive"),
-              (args.reoptimize_interval > 0, "--reoptimize-interval: must be positive")]
+              (args.reoptimize_interval > 0, "--reoptimize-interval: must be positive"),
+              (args.chunk_tokens is None or args.chunk_tokens >= 0, "--chunk-tokens: must be 0 or positive"),
+              (args.link_rtt_ms is None or args.link_rtt_ms >= 0, "--link-rtt-ms: must not be negative"),
+              (args.connections is None or args.connections >= 1, "--connections: must be at least 1"),
+              (args.connection_window_bytes is None or args.connection_window_bytes >= 0,
+               "--connection-window-bytes: must be 0 or positive"),
+              (args.pool_load_gbps is None or args.pool_load_gbps >= 0, "--pool-load-gbps: must be 0 or positive")]
     return next((message for ok, message in checks if not ok), None)
 
 
@@ -147,6 +202,7 @@ def _format(out: dict) -> str:
              f"offered: {out['offered_rate']:.3f} req/s ({out['load_factor']:.0%} of Lambda_max), "
              f"{out['arrivals']} arrivals, {'mean-length' if out['mean_length_mode'] else 'sampled'} lengths"
              + (f", bandwidth trace {out['bandwidth_trace']}" if out["bandwidth_trace"] else ""),
+             f"runtime: {_describe_runtime(out['runtime'])}",
              "", format_table(list(out["policies"].values()))]
     adaptive = out["policies"].get("adaptive", {}).get("threshold_range_tokens")
     if adaptive:
@@ -156,6 +212,15 @@ def _format(out: dict) -> str:
     if "plots" in out:
         lines += ["", "plots: " + ", ".join(out["plots"])]
     return "\n".join(lines)
+
+
+def _describe_runtime(runtime: dict) -> str:
+    prefill = f"chunks of {runtime['chunk_tokens']:,} tokens" if runtime["chunk_tokens"] else "whole-request prefill"
+    link = (f"{runtime['link_rtt_ms']:g} ms RTT, {runtime['connections']} connections x "
+            f"{runtime['connection_window_bytes']:,} B window" if runtime["link_rtt_ms"] else "no link RTT")
+    send = "layer-wise KV streaming" if runtime["layerwise"] else "KV sent after prefill"
+    load = f"pool loads at {runtime['pool_load_gbps']:g} Gbps" if runtime["pool_load_gbps"] else "pool loads free"
+    return ", ".join((prefill, link, send, load))
 
 
 def _fail(message: str) -> int:

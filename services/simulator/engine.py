@@ -13,10 +13,9 @@ a decode instance with a free batch slot (half the link's round trip after the l
 the slot is held for ``output_tokens * step_time``. Local prefill hands KV to decode over the
 intra-cluster fabric, taken as free. See :mod:`services.simulator.runtime` for the runtime inputs.
 
-Per-request state lives in flat arrays and events are ``(time, kind, id)`` tuples on a heap, each
-kind handled by one method (``self.handlers``); arrivals are drawn one ahead instead of living on
-the heap. The adaptive policy runs the router's threshold controller (``CongestionAwareThreshold``),
-fed by :mod:`services.simulator.observe`.
+Per-request state lives in flat arrays; events are ``(time, kind, id)`` tuples on a heap, one
+handler per kind (``self.handlers``); arrivals are drawn one ahead, off the heap. The adaptive
+policy runs the router's ``CongestionAwareThreshold``, fed by :mod:`services.simulator.observe`.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from collections import deque
 
 from services.scheduling.congestion import CongestionAwareThreshold
 from services.scheduling.offload import bandwidth_scarce
-from services.scheduling.placement import PromptCache, WorkerView, choose_route
+from services.scheduling.placement import PromptCache, choose_route
 from services.simulator.arrivals import make_arrivals
 from services.simulator.bandwidth import bandwidth_at
 from services.simulator.link import Link
@@ -38,7 +37,7 @@ from services.simulator.observe import observe
 from services.simulator.prefill import PrefillCluster
 from services.simulator.results import SimResult
 from services.simulator.runtime import exposed_transfer_s
-from services.simulator.setup import RunSpec, Topology
+from services.simulator.setup import RunSpec, deployment_views
 
 PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED = range(8)
 PREFILLED, SENT = 1, 2
@@ -51,16 +50,6 @@ def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) 
     """Run one policy; the adaptive policy needs a threshold ``controller`` (see the module docstring
     for what it is fed)."""
     return _Simulation(spec, controller).run()
-
-
-def deployment_views(topology: Topology) -> tuple[WorkerView, ...]:
-    """The deployment as ``choose_route`` sees it: one worker per role, each standing for its pool."""
-    views = [WorkerView("decode", True, role="decode", receives_kv=True)]
-    if topology.num_prfaas:
-        views.append(WorkerView("prfaas", True, role="prefill", cluster="prfaas", generates=False, prefills=True))
-    if topology.num_local_prefill:
-        views.append(WorkerView("local", True, role="prefill", cluster="local", generates=False, prefills=True))
-    return tuple(views)
 
 
 class _Simulation:
@@ -119,14 +108,15 @@ class _Simulation:
         self.next_reoptimize = spec.reoptimize_interval_s
         self.sent_seen = 0.0
         self.min_t = self.max_t = self.threshold
-        self.nominal_bw = runtime.link_bytes_per_s(topo.link_gbps)
+        self.nominal_bw = runtime.link_bytes_per_s(topo.link_gbps)     # what one transfer gets
         self.arrival_t, self.deadline, self.kv, self.ttft = (array("d", bytes(8 * n)) for _ in range(4))
         self.state = bytearray(n)
         self.heap: list[tuple[float, int, int]] = []
         self.prfaas = self._cluster(topo.num_prfaas, topo.prfaas_latency, (PREFILL_PRFAAS, LOADED_PRFAAS))
         self.local = self._cluster(topo.num_local_prefill, topo.local_latency, (PREFILL_LOCAL, LOADED_LOCAL))
         self.local.finished = self._to_decode
-        self.link = Link(runtime, bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps), LINK, self.heap, self.kv, n)
+        gbps = bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps)
+        self.link = Link(runtime, topo.link_gbps, gbps, LINK, self.heap, self.kv, n)
         self.layerwise, self.one_way = runtime.layerwise, runtime.one_way_s
         self.link.sent = self._on_link_sent if self.layerwise or self.one_way else self._to_decode
         self.prfaas.finished = self._on_prfaas_prefilled
@@ -189,7 +179,7 @@ class _Simulation:
                 self.progress_at += PROGRESS_EVERY
         else:
             self.next_arrival = INF
-            self.backlog = sum(self.queue_lengths()) - (self.link.rid >= 0)
+            self.backlog = sum(self.queue_lengths()) - self.link.num_sending
 
     def _draw_length(self) -> tuple[float, float]:
         """The next request's prompt length (a truncated log-normal draw, or its class mean in
@@ -289,7 +279,7 @@ class _Simulation:
 
     def _result(self, wall_s: float) -> SimResult:
         spec, topo = self.spec, self.spec.topology
-        n, nominal_bw = spec.num_requests, self.nominal_bw
+        n, nominal_bw, channels = spec.num_requests, self.nominal_bw, self.link.num_channels
         parts = {"prfaas_prefill": self.prfaas, "local_prefill": self.local, "link": self.link}
         return SimResult(
             policy=spec.policy, offered_rate=spec.rate, num_requests=n,
@@ -300,7 +290,7 @@ class _Simulation:
             busy_s={"prfaas_prefill": self.busy_prfaas, "local_prefill": self.busy_local,
                     "link": self.offloaded_bytes / nominal_bw if nominal_bw else 0.0, "decode": n * self.decode_s},
             servers={"prfaas_prefill": topo.num_prfaas, "local_prefill": topo.num_local_prefill,
-                     "link": 1 if nominal_bw else 0, "decode": topo.num_decode * topo.max_batch_size},
+                     "link": channels if nominal_bw else 0, "decode": topo.num_decode * topo.max_batch_size},
             wait_s={**{name: part.wait_s for name, part in parts.items()}, "decode": self.decode_wait},
             max_queue={**{name: part.max_queue for name, part in parts.items()}, "decode": self.decode_max_q},
             backlog_at_last_arrival=self.backlog, samples=self.samples,

@@ -10,6 +10,7 @@ from services.planner.model import PrfaasModel
 from services.planner.profiles import PiecewiseLinear, PrefillCurves
 from services.planner.report import PlanResult
 from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig
+from services.scheduling.placement import WorkerView
 from services.scheduling.threshold import OffloadModel
 from services.simulator.runtime import RuntimeModel
 
@@ -63,6 +64,16 @@ class RunSpec:
     num_samples: int = 1000
     progress: bool = False
     runtime: RuntimeModel = RuntimeModel()
+
+
+def deployment_views(topology: Topology) -> tuple[WorkerView, ...]:
+    """The deployment as ``choose_route`` sees it: one worker per role, each standing for its pool."""
+    views = [WorkerView("decode", True, role="decode", receives_kv=True)]
+    if topology.num_prfaas:
+        views.append(WorkerView("prfaas", True, role="prefill", cluster="prfaas", generates=False, prefills=True))
+    if topology.num_local_prefill:
+        views.append(WorkerView("local", True, role="prefill", cluster="local", generates=False, prefills=True))
+    return tuple(views)
 
 
 def workload_of(inputs: PlanInputs) -> Workload:

@@ -18,9 +18,10 @@ def register(subparsers) -> None:
         help="simulate a PrfaaS deployment under load (TTFT, throughput, queues)",
         description="Discrete-event simulation of the planner's deployment: arrivals, PrfaaS and local "
         "prefill queues, the cross-cluster link (optionally following a bandwidth trace) and decode "
-        "batch slots, for the homogeneous, naive, static-threshold and adaptive-threshold policies. The "
-        "adaptive policy runs the router's threshold controller (CongestionAwareThreshold) fed from the "
-        "simulated link, with the planner's model re-optimising its base threshold.",
+        "batch slots, for the homogeneous, naive, static-threshold and adaptive-threshold policies. Each "
+        "request is routed by the router's own placement policy (choose_route). The adaptive policy runs the "
+        "router's threshold controller (CongestionAwareThreshold) fed from the simulated link, with the "
+        "planner's model re-optimising its base threshold.",
     )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="planner input YAML (default: deploy/planner/case_study.yaml)")

@@ -50,3 +50,14 @@ def _check_workers(config: DeploymentConfig) -> None:
         unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")
+        overridden = {"max_num_batched_tokens", "enable_chunked_prefill"} & set(worker.engine)
+        _check_whole_prompt_steps(config, config.engine_for(worker), f"workers[{i}].engine" if overridden else "engine")
+
+
+def _check_whole_prompt_steps(config: DeploymentConfig, engine: EngineConfig, where: str) -> None:
+    """Without chunked prefill a prompt runs in one step, so a step must hold the longest prompt."""
+    budget = engine.max_num_batched_tokens
+    if not engine.enable_chunked_prefill and budget is not None and budget < config.model.max_model_len:
+        raise ConfigError(f"{where}.max_num_batched_tokens: {budget} is below model.max_model_len "
+                          f"({config.model.max_model_len}); with enable_chunked_prefill off a step must hold "
+                          "a whole prompt")

@@ -45,6 +45,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's "
                                               "default when null.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
+    enable_chunked_prefill: bool = _opt(True, "Split a prompt across engine steps when the step's token budget "
+                                        "is short (vLLM's chunked prefill). Off: each prompt is prefilled "
+                                        "in one step, so `max_num_batched_tokens` must be at least "
+                                        "`model.max_model_len`.")
     seed: int = _opt(0, "Engine random seed (sampling without a per-request seed).")
 
 

@@ -27,6 +27,11 @@ def test_embedded_default_config_loads():
         ({"workers": [VALID_WORKER], "router": {"api_keys": "k"}}, "router.api_keys: expected a list"),
         ({"workers": [VALID_WORKER], "engine": {"enforce_eager": 1}}, "engine.enforce_eager: expected bool"),
         ({"workers": [VALID_WORKER], "model": []}, "model: expected a mapping"),
+        ({"workers": [VALID_WORKER], "engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}},
+         "engine.max_num_batched_tokens: 512 is below model.max_model_len"),
+        ({"workers": [{**VALID_WORKER, "engine": {"enable_chunked_prefill": False}}],
+          "engine": {"max_num_batched_tokens": 512}},
+         "workers[0].engine.max_num_batched_tokens: 512 is below model.max_model_len"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
@@ -40,6 +45,12 @@ def test_per_worker_engine_overrides_apply_only_to_that_worker():
                                        {**VALID_WORKER, "name": "d1", "port": 50072}]})
     assert config.engine_for(config.worker("d0")).max_num_seqs == 4
     assert config.engine_for(config.worker("d1")).max_num_seqs == config.engine.max_num_seqs
+
+
+def test_whole_prompt_steps_are_accepted_when_a_step_holds_the_longest_prompt():
+    config = parse_config({"workers": [VALID_WORKER], "model": {"max_model_len": 2048},
+                           "engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}})
+    assert not config.engine_for(config.worker("d0")).enable_chunked_prefill
 
 
 def test_unreadable_and_invalid_yaml_files(tmp_path):

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "planner" / "case_study.yaml"
 
@@ -19,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="planner input YAML (default: deploy/planner/case_study.yaml)")
+    add_measured_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", metavar="DIR", help="also write Figure-5-style PNGs into DIR (needs matplotlib)")
     parser.add_argument("--exact", action="store_true",
@@ -26,16 +28,61 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(func=_run)
 
 
+def add_measured_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--profile`` and ``--workload``, shared with ``prfaas simulate``."""
+    parser.add_argument("--profile", action="append", default=[], metavar="[NAME=]FILE",
+                        help="a profile YAML written by `prfaas profile`: its measured prefill curve and decode "
+                        "batch replace every prefill and decode profile of the inputs, or with NAME= only that one "
+                        "(repeatable, e.g. h200_prefill=a.yaml h20_prefill=b.yaml h20_decode=b.yaml)")
+    parser.add_argument("--workload", metavar="FILE",
+                        help="a measured workload replacing the inputs' typed one: a `prfaas bench` result JSON, or "
+                        "a request trace (JSON lines or .csv with arrival_s [seconds] or timestamp [ms], "
+                        "input_length, optional output_length). Fitted: the prompt-length distribution (truncated "
+                        "log-normal), the mean output length, the arrival rate and the inter-arrival CV")
+
+
+def load_measured_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The planner's inputs with ``--profile`` and ``--workload`` applied, and a report of what they replaced.
+    Raises ``PlanInputError``."""
+    from services.planner.inputs import load_plan_inputs
+    from services.planner.measured_profile import apply_profiles, load_profile, split_profile_arg
+    from services.planner.measured_workload import load_workload
+
+    inputs = load_plan_inputs(args.config)
+    measured: dict[str, Any] = {}
+    if args.profile:
+        targets = [(name, load_profile(path)) for name, path in map(split_profile_arg, args.profile)]
+        inputs, measured["measured_profiles"] = apply_profiles(inputs, targets)
+    if args.workload:
+        workload = load_workload(args.workload)
+        inputs = workload.apply(inputs)
+        measured["measured_workload"] = workload.as_dict()
+    return inputs, measured
+
+
+def measured_text(measured: dict[str, Any]) -> list[str]:
+    from services.planner.measured_profile import profiles_text
+    from services.planner.measured_workload import workload_text
+
+    lines = profiles_text(measured.get("measured_profiles", ()))
+    if "measured_workload" in measured:
+        lines.append(workload_text(measured["measured_workload"]))
+    return lines
+
+
 def _run(args: argparse.Namespace) -> int:
-    from services.planner.inputs import PlanInputError, load_plan_inputs
-    from services.planner.report import format_plan, plan_to_dict, run_plan
+    from services.planner.inputs import PlanInputError
+    from services.planner.report import plan_to_dict, run_plan
 
     try:
-        inputs = load_plan_inputs(args.config)
+        inputs, measured = load_measured_inputs(args)
     except PlanInputError as exc:
         return _fail(str(exc))
     result = run_plan(inputs, exact=args.exact)
-    out = plan_to_dict(result)
+    out = {**measured, **plan_to_dict(result)}
+    if "measured_workload" in measured:
+        rate = measured["measured_workload"]["rate"]
+        measured["measured_workload"]["load_factor"] = rate / result.prfaas.lambda_max
     if args.plot:
         from services.planner.plots import MatplotlibMissing, write_plan_plots
 
@@ -43,8 +90,17 @@ def _run(args: argparse.Namespace) -> int:
             out["plots"] = write_plan_plots(result, Path(args.plot))
         except MatplotlibMissing as exc:
             return _fail(str(exc))
-    print(json.dumps(out, indent=2) if args.json else format_plan(out))
+    print(json.dumps(out, indent=2) if args.json else _text(out, measured))
     return 0
+
+
+def _text(out: dict[str, Any], measured: dict[str, Any]) -> str:
+    from services.planner.report import format_plan
+
+    lines = measured_text(measured)
+    if "measured_workload" in measured:
+        lines.append(f"measured load: {measured['measured_workload']['load_factor']:.1%} of PrfaaS-PD Lambda_max")
+    return "\n".join([*lines, *([""] if lines else []), format_plan(out)])
 
 
 def _fail(message: str) -> int:

@@ -178,6 +178,11 @@ def _prefix_hit(raw: Any) -> PrefixHitSpec:
     return PrefixHitSpec(**values)
 
 
+def parse_profiles(raw: Any) -> tuple[dict[str, PrefillProfile], dict[str, DecodeProfile]]:
+    """A ``profiles`` mapping (as in the input file, or a measured profile's) into prefill and decode profiles."""
+    return _profiles(raw)
+
+
 def _profiles(raw: Any) -> tuple[dict[str, PrefillProfile], dict[str, DecodeProfile]]:
     node = _mapping(raw, "profiles")
     if not node:

@@ -23,20 +23,25 @@ def register(subparsers) -> None:
         "router's threshold controller (CongestionAwareThreshold) fed from the simulated link, with the "
         "planner's model re-optimising its base threshold.",
     )
+    from services.planner.cli import add_measured_arguments
+
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="planner input YAML (default: deploy/planner/case_study.yaml)")
+    add_measured_arguments(parser)
     parser.add_argument("--policy", choices=POLICY_CHOICES, default="all", help="which policy (default: all)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=float, help="offered load in requests/s")
+    load.add_argument("--rate", type=float,
+                      help="offered load in requests/s (default with --workload: its measured rate)")
     load.add_argument("--load-factor", type=float,
                       help="offered load as a fraction of the planner's PrfaaS-PD Lambda_max (default 0.9)")
     parser.add_argument("--requests", type=int, default=50_000, help="requests to simulate (default: %(default)s)")
-    parser.add_argument("--arrivals", choices=("poisson", "onoff", "mmpp"), default="poisson",
-                        help="arrival process, all at the same mean rate (default: poisson). Bursty: 'onoff' "
-                        "alternates on periods at 2x the rate with silent off periods; 'mmpp' alternates "
-                        "1.6x and 0.4x the rate; state lengths are exponential with mean --burst-seconds")
-    parser.add_argument("--burst-seconds", type=float, default=30.0,
-                        help="mean length of each on/off or MMPP state (default: %(default)s)")
+    parser.add_argument("--arrivals", choices=("poisson", "onoff", "mmpp"),
+                        help="arrival process, all at the same mean rate (default: poisson; with --workload the "
+                        "process fitted to its inter-arrival CV). Bursty: 'onoff' alternates on periods at 2x the "
+                        "rate with silent off periods; 'mmpp' alternates 1.6x and 0.4x the rate; state lengths "
+                        "are exponential with mean --burst-seconds")
+    parser.add_argument("--burst-seconds", type=float,
+                        help="mean length of each on/off or MMPP state (default: 30; with --workload the fitted one)")
     parser.add_argument("--bandwidth-trace", metavar="TRACE",
                         help='link bandwidth steps "TIME:GBPS,..." or a file of them; TIME may be "33%%" of the run')
     parser.add_argument("--mean-length-mode", action="store_true",
@@ -107,21 +112,24 @@ def _runtime(args, inputs):
 
 
 def _run(args) -> int:
-    from services.planner.inputs import PlanInputError, load_plan_inputs
+    from services.planner.cli import load_measured_inputs
+    from services.planner.inputs import PlanInputError
     from services.planner.report import run_plan
     from services.simulator.bandwidth import TraceError, parse_trace
+    from services.simulator.measured import fill_arrivals, offered_rate
     from services.simulator.runtime import RuntimeInputError
 
     problem = _check_args(args)
     if problem:
         return _fail(problem)
     try:
-        inputs = load_plan_inputs(args.config)
+        inputs, measured = load_measured_inputs(args)
         runtime = _runtime(args, inputs)
     except (PlanInputError, RuntimeInputError) as exc:
         return _fail(str(exc))
     plan = run_plan(inputs)
-    rate = args.rate if args.rate is not None else (args.load_factor or 0.9) * plan.prfaas.lambda_max
+    rate = offered_rate(args, measured, plan.prfaas.lambda_max)
+    fill_arrivals(args, measured)
     try:
         trace = parse_trace(args.bandwidth_trace, args.requests / rate) if args.bandwidth_trace else ()
     except (TraceError, OSError) as exc:
@@ -137,7 +145,7 @@ def _run(args) -> int:
         results = _simulate_all(args, inputs, plan, rate, trace, runtime)
     except ValueError as exc:
         return _fail(str(exc))
-    out = {"planner": {"threshold_tokens": plan.prfaas.threshold_tokens, "n_p": plan.prfaas.num_prefill,
+    out = {**measured, "planner": {"threshold_tokens": plan.prfaas.threshold_tokens, "n_p": plan.prfaas.num_prefill,
                        "n_d": plan.prfaas.num_decode, "lambda_max": plan.prfaas.lambda_max},
            "offered_rate": rate, "load_factor": rate / plan.prfaas.lambda_max,
            "arrivals": args.arrivals, "mean_length_mode": args.mean_length_mode,
@@ -178,7 +186,7 @@ def _check_args(args) -> str | None:
     checks = [(args.requests >= 1, "--requests: must be at least 1"),
               (args.rate is None or args.rate > 0, "--rate: must be positive"),
               (args.load_factor is None or args.load_factor > 0, "--load-factor: must be positive"),
-              (args.burst_seconds > 0, "--burst-seconds: must be positive"),
+              (args.burst_seconds is None or args.burst_seconds > 0, "--burst-seconds: must be positive"),
               (args.ttft_slo is None or args.ttft_slo > 0, "--ttft-slo: must be positive"),
               (args.slo_factor > 0, "--slo-factor: must be positive"),
               (0 < args.headroom <= 1, "--headroom: must be in (0, 1]"),
@@ -195,10 +203,12 @@ def _check_args(args) -> str | None:
 
 def _format(out: dict) -> str:
     from services.simulator.capacity import format_overstatement
+    from services.simulator.measured import measured_lines
     from services.simulator.results import format_table
 
     p = out["planner"]
-    lines = [f"planner: t = {p['threshold_tokens']:,.0f} tokens, N_p = {p['n_p']}, N_d = {p['n_d']}, "
+    lines = [*measured_lines(out),
+             f"planner: t = {p['threshold_tokens']:,.0f} tokens, N_p = {p['n_p']}, N_d = {p['n_d']}, "
              f"Lambda_max = {p['lambda_max']:.3f} req/s",
              f"offered: {out['offered_rate']:.3f} req/s ({out['load_factor']:.0%} of Lambda_max), "
              f"{out['arrivals']} arrivals, {'mean-length' if out['mean_length_mode'] else 'sampled'} lengths"

@@ -98,10 +98,30 @@ def _add_runtime_arguments(parser) -> None:
                        help="how fast a prefill instance loads a cache-pool hit (workload.prefix_hit), "
                        "asynchronously while it computes other requests; 0: loads take no time "
                        f"(default: {default.pool_load_gbps:g})")
+    group.add_argument("--per-instance", action=argparse.BooleanOptionalAction, default=None,
+                       help="route to one instance as the router does (choose_route over a view of every worker "
+                       "with its load: least-loaded decode worker first, then the cache-affine prefill worker, which "
+                       "with no prompt identities is the least loaded) and queue at each instance (default: off, one "
+                       "view per role and a FIFO queue per cluster)")
+    group.add_argument("--local-both", type=int, metavar="N",
+                       help="replace the local PD cluster's prefill/decode split with N colocated 'both' workers, "
+                       "each one engine that prefills local-path requests and decodes every path (a step costs its "
+                       "prefill pieces plus one decode step); implies --per-instance (default: 0, the split)")
+    group.add_argument("--admission", action=argparse.BooleanOptionalAction, default=None,
+                       help="the router's admission control judges each routed request (capacity and, with "
+                       "--admission-ttft-slo, the predicted TTFT); rejected requests are counted and enter no "
+                       "queue (default: off, every request admitted)")
+    group.add_argument("--max-in-flight", type=int, metavar="N",
+                       help="admission capacity, as the router's max_in_flight_requests; 0: max_batch_size per "
+                       f"generating instance (default: {default.max_in_flight})")
+    group.add_argument("--admission-ttft-slo", type=float, metavar="SECONDS", dest="admission_ttft_slo_s",
+                       help="reject a request whose predicted TTFT (its path's queued prompt tokens and its own, "
+                       f"over the path's measured prefill rate) exceeds this; 0: no TTFT check "
+                       f"(default: {default.admission_ttft_slo_s:g})")
 
 
 RUNTIME_FLAGS = ("chunk_tokens", "link_rtt_ms", "connections", "connection_window_bytes", "layerwise",
-                 "pool_load_gbps")
+                 "pool_load_gbps", "per_instance", "local_both", "admission", "max_in_flight", "admission_ttft_slo_s")
 
 
 def _runtime(args, inputs):
@@ -197,7 +217,11 @@ def _check_args(args) -> str | None:
               (args.connections is None or args.connections >= 1, "--connections: must be at least 1"),
               (args.connection_window_bytes is None or args.connection_window_bytes >= 0,
                "--connection-window-bytes: must be 0 or positive"),
-              (args.pool_load_gbps is None or args.pool_load_gbps >= 0, "--pool-load-gbps: must be 0 or positive")]
+              (args.pool_load_gbps is None or args.pool_load_gbps >= 0, "--pool-load-gbps: must be 0 or positive"),
+              (args.local_both is None or args.local_both >= 0, "--local-both: must be 0 or positive"),
+              (args.max_in_flight is None or args.max_in_flight >= 0, "--max-in-flight: must be 0 or positive"),
+              (args.admission_ttft_slo_s is None or args.admission_ttft_slo_s >= 0,
+               "--admission-ttft-slo: must be 0 or positive")]
     return next((message for ok, message in checks if not ok), None)
 
 
@@ -231,7 +255,19 @@ def _describe_runtime(runtime: dict) -> str:
             f"{runtime['connection_window_bytes']:,} B window" if runtime["link_rtt_ms"] else "no link RTT")
     send = "layer-wise KV streaming" if runtime["layerwise"] else "KV sent after prefill"
     load = f"pool loads at {runtime['pool_load_gbps']:g} Gbps" if runtime["pool_load_gbps"] else "pool loads free"
-    return ", ".join((prefill, link, send, load))
+    return ", ".join((prefill, link, send, load, _describe_dispatch(runtime)))
+
+
+def _describe_dispatch(runtime: dict) -> str:
+    if runtime["local_both"]:
+        dispatch = f"{runtime['local_both']} colocated 'both' workers, per-instance dispatch"
+    else:
+        dispatch = "per-instance dispatch" if runtime["per_instance"] else "per-cluster queues"
+    if not runtime["admission"]:
+        return dispatch + ", no admission control"
+    slo = runtime["admission_ttft_slo_s"]
+    return (dispatch + f", admission control (capacity {runtime['max_in_flight'] or 'max_batch_size per instance'}"
+            + (f", TTFT SLO {slo:g} s)" if slo else ")"))
 
 
 def _fail(message: str) -> int:

@@ -13,6 +13,11 @@ a decode instance with a free batch slot (half the link's round trip after the l
 the slot is held for ``output_tokens * step_time``. Local prefill hands KV to decode over the
 intra-cluster fabric, taken as free. See :mod:`services.simulator.runtime` for the runtime inputs.
 
+With ``per_instance`` (or ``local_both``) the views are one per instance and each instance queues its
+own requests (:mod:`services.simulator.instances`, :mod:`services.simulator.decode`,
+:mod:`services.simulator.colocated`); with ``admission`` the router's admission control judges each
+routed request (:mod:`services.simulator.admission`), and a rejected one enters no queue.
+
 Per-request state lives in flat arrays; events are ``(time, kind, id)`` tuples on a heap, one
 handler per kind (``self.handlers``); arrivals are drawn one ahead, off the heap. The adaptive
 policy runs the router's ``CongestionAwareThreshold``, fed by :mod:`services.simulator.observe`.
@@ -25,21 +30,25 @@ import random
 import sys
 import time
 from array import array
-from collections import deque
 
 from services.scheduling.congestion import CongestionAwareThreshold
 from services.scheduling.offload import bandwidth_scarce
 from services.scheduling.placement import PromptCache, choose_route
+from services.simulator.admission import SimAdmission
 from services.simulator.arrivals import make_arrivals
 from services.simulator.bandwidth import bandwidth_at
+from services.simulator.colocated import ColocatedInstances
+from services.simulator.decode import DecodePool
+from services.simulator.instances import InstanceRouter, build_router
 from services.simulator.link import Link
 from services.simulator.observe import observe
 from services.simulator.prefill import PrefillCluster
-from services.simulator.results import SimResult
+from services.simulator.results import SimResult, result_of
 from services.simulator.runtime import exposed_transfer_s
-from services.simulator.setup import RunSpec, deployment_views
+from services.simulator.setup import RunSpec, colocated, deployment_views
 
-PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED = range(8)
+(PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED, BOTH_STEP,
+ LOADED_BOTH) = range(10)
 PREFILLED, SENT = 1, 2
 INF = float("inf")
 PROGRESS_EVERY = 100_000
@@ -54,10 +63,10 @@ def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) 
 
 class _Simulation:
     def __init__(self, spec: RunSpec, controller: CongestionAwareThreshold | None) -> None:
-        topo = spec.topology
+        self.topo = topo = colocated(spec.topology, spec.runtime.local_both)
         if spec.policy != "homogeneous" and not topo.num_prfaas:
             raise ValueError(f"policy {spec.policy!r} needs PrfaaS prefill instances")
-        if spec.policy in ("homogeneous", "static", "adaptive") and not topo.num_local_prefill:
+        if spec.policy in ("homogeneous", "static", "adaptive") and not topo.num_local_prefill + topo.num_both:
             raise ValueError(f"policy {spec.policy!r} needs local prefill instances")
         self.spec = spec
         if spec.policy == "adaptive" and controller is None:
@@ -89,10 +98,10 @@ class _Simulation:
                 break
             now, kind, rid = pop(heap)
             handlers[kind](now, rid)
-        return self._result(time.perf_counter() - started)
+        return result_of(self, time.perf_counter() - started)
 
     def _start(self) -> None:
-        spec, topo, runtime = self.spec, self.spec.topology, self.spec.runtime
+        spec, topo, runtime = self.spec, self.topo, self.spec.runtime
         n = spec.num_requests
         self.rng = rng = random.Random(spec.seed)
         hit = spec.workload.prefix_hit if not spec.mean_length_mode else None
@@ -112,26 +121,29 @@ class _Simulation:
         self.arrival_t, self.deadline, self.kv, self.ttft = (array("d", bytes(8 * n)) for _ in range(4))
         self.state = bytearray(n)
         self.heap: list[tuple[float, int, int]] = []
-        self.prfaas = self._cluster(topo.num_prfaas, topo.prfaas_latency, (PREFILL_PRFAAS, LOADED_PRFAAS))
-        self.local = self._cluster(topo.num_local_prefill, topo.local_latency, (PREFILL_LOCAL, LOADED_LOCAL))
-        self.local.finished = self._to_decode
+        self.decode_s = spec.workload.output_tokens * topo.decode_step_s
+        self._start_instances()
+        self.local.finished = self.decode.submit
         gbps = bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps)
         self.link = Link(runtime, topo.link_gbps, gbps, LINK, self.heap, self.kv, n)
         self.layerwise, self.one_way = runtime.layerwise, runtime.one_way_s
-        self.link.sent = self._on_link_sent if self.layerwise or self.one_way else self._to_decode
+        self.link.sent = self._on_link_sent if self.layerwise or self.one_way else self.decode.submit
         self.prfaas.finished = self._on_prfaas_prefilled
         if self.layerwise:
             self.prfaas.started = self.link.submit
-        self.decode_q: deque[int] = deque()
-        self.decode_since = array("d", bytes(8 * n))
-        self.decode_free = topo.num_decode * topo.max_batch_size
-        self.decode_s = spec.workload.output_tokens * topo.decode_step_s
-        self.decode_wait, self.decode_max_q = 0.0, 0
+        self.admission = SimAdmission(runtime, (topo.num_decode + topo.num_both) * topo.max_batch_size, n) \
+            if runtime.admission else None
+        self.finish = array("d", bytes(8 * n)) if self.router is not None else None
+        if self.admission is not None or self.finish is not None:
+            self.decode.finished = self._finished
         for index, (at, _) in enumerate(spec.bandwidth_trace):
             if at > 0:
                 heapq.heappush(self.heap, (at, BANDWIDTH, index))
-        self.handlers = (self.prfaas.on_event, self.local.on_event, self.link.on_sent, self._on_decoded,
-                         self._on_bandwidth, self.prfaas.on_loaded, self.local.on_loaded, self._to_decode)
+        both = self.both
+        self.handlers = (self.prfaas.on_event, self.local.on_event, self.link.on_sent,
+                         self.decode.on_decoded if both is None else None, self._on_bandwidth,
+                         self.prfaas.on_loaded, self.local.on_loaded, self.decode.submit,
+                         both.on_step if both else None, both.on_loaded if both else None)
         self.busy_prfaas = self.busy_local = self.offloaded_bytes = 0.0
         self.num_offloaded = self.slo_met = self.backlog = 0
         self.samples: list[tuple[float, int, int, int, int]] = []
@@ -141,12 +153,33 @@ class _Simulation:
         self.num_arrived = 0
         self.next_arrival = self.next_arrival_after(0.0)
 
-    def _cluster(self, num_instances, latency, kinds) -> PrefillCluster:
-        return PrefillCluster(num_instances, latency, self.spec.runtime.chunk_tokens, kinds, self.heap,
-                              self.arrival_t, self.spec.num_requests)
+    def _start_instances(self) -> None:
+        """The prefill clusters, decode slots and router views: one per role and a shared queue per
+        cluster, or one per instance (``per_instance``, ``local_both``)."""
+        spec, topo, heap, n = self.spec, self.topo, self.heap, self.spec.num_requests
+        chunk, prfaas_kinds, local_kinds = spec.runtime.chunk_tokens, (PREFILL_PRFAAS, LOADED_PRFAAS), \
+            (PREFILL_LOCAL, LOADED_LOCAL)
+        self.both: ColocatedInstances | None = None
+        self.router: InstanceRouter | None = None
+        if not spec.runtime.dispatches_per_instance:
+            self.prfaas = PrefillCluster(topo.num_prfaas, topo.prfaas_latency, chunk, prfaas_kinds, heap,
+                                         self.arrival_t, n)
+            self.local = PrefillCluster(topo.num_local_prefill, topo.local_latency, chunk, local_kinds, heap,
+                                        self.arrival_t, n)
+            self.decode = DecodePool(topo.num_decode * topo.max_batch_size, self.decode_s, DECODE, heap, n,
+                                     self._first_token)
+            return
+        self.router = build_router(spec, topo, heap, self.arrival_t, self.decode_s, self._first_token,
+                                   (prfaas_kinds, local_kinds, DECODE, (BOTH_STEP, LOADED_BOTH)))
+        self.prfaas, self.local, self.decode, self.both = (self.router.prfaas, self.router.local, self.router.decode,
+                                                           self.router.both)
 
     def queue_lengths(self) -> tuple[int, int, int, int]:
-        return len(self.prfaas.queue), len(self.local.queue), self.link.num_waiting, len(self.decode_q)
+        return self.prfaas.num_queued, self.local_queued, self.link.num_waiting, self.decode.num_queued
+
+    @property
+    def local_queued(self) -> int:
+        return self.local.num_queued if self.both is None else self.both.num_prefill_queued
 
     # Arrivals ------------------------------------------------------------------------------------
 
@@ -160,16 +193,28 @@ class _Simulation:
         self.arrival_t[rid] = now
         length, cached = self._draw_length()
         base = self.controller.base_tokens if self.controller is not None else self.threshold
-        route = choose_route(self.views, length, self.live_threshold,
-                             cache=PromptCache(length, {"local": cached, "prfaas": cached} if cached else NO_CACHE),
-                             scarce=bandwidth_scarce(self.live_threshold, base))
+        cache = PromptCache(length, {"local": cached, "prfaas": cached} if cached else NO_CACHE)
+        scarce = bandwidth_scarce(self.live_threshold, base)
+        route = choose_route(self.views, length, self.live_threshold, cache=cache, scarce=scarce) \
+            if self.router is None else self.router.route(rid, length, self.live_threshold, cache, scarce)
         if route is None:
             raise ValueError("no worker can serve a request")
         uncached = length - route.num_cached_tokens if route.num_cached_tokens else length
+        if self.admission is not None and not self.admission.admitted(now, rid, route.path, length):
+            self._reject(rid)
+            return self._next(rid, now)
+        if self.router is not None:
+            self.router.admitted(rid)
         if route.path == "prfaas":
             self._arrive_prfaas(rid, now, uncached, route.num_cached_tokens)
+        elif route.path == "local" and self.both is not None:
+            self._arrive_both(rid, now, uncached, route.num_cached_tokens)
         else:
             self._arrive_local(rid, now, uncached, route.num_cached_tokens)
+        self._next(rid, now)
+
+    def _next(self, rid: int, now: float) -> None:
+        """Draw the arrival after ``rid``'s."""
         self.num_arrived = i = rid + 1
         if i < self.spec.num_requests:
             self.next_arrival = self.next_arrival_after(now)
@@ -198,8 +243,20 @@ class _Simulation:
         runtime, kv_bytes = self.spec.runtime, self.spec.topology.kv_bytes
         return runtime.load_s(kv_bytes(cached)) if cached and runtime.pool_load_gbps and kv_bytes else 0.0
 
+    def _reject(self, rid: int) -> None:
+        self.ttft[rid] = math.nan
+
+    def _arrive_both(self, rid: int, now: float, length: float, cached: float) -> None:
+        """The local path on a colocated worker: the decode worker the router chose prefills it."""
+        service = self.topo.local_latency(length)
+        load_s = self._load_s(cached)
+        self.busy_local += service
+        self.deadline[rid] = now + (self.spec.ttft_slo_s if self.spec.ttft_slo_s is not None
+                                    else self.spec.slo_factor * (service + load_s))
+        self.both.prefill(now, rid, length, load_s)
+
     def _arrive_prfaas(self, rid: int, now: float, length: float, cached: float) -> None:
-        topo, spec = self.spec.topology, self.spec
+        topo, spec = self.topo, self.spec
         service = topo.prfaas_latency(length)
         kv_bytes = self.kv[rid] = topo.prfaas_kv_bytes(length)
         load_s = self._load_s(cached)
@@ -218,7 +275,7 @@ class _Simulation:
         self.prfaas.submit(now, rid, length if spec.runtime.chunk_tokens else service, load_s)
 
     def _arrive_local(self, rid: int, now: float, length: float, cached: float) -> None:
-        topo, spec = self.spec.topology, self.spec
+        topo, spec = self.topo, self.spec
         service = topo.local_latency(length)
         load_s = self._load_s(cached)
         self.busy_local += service
@@ -247,53 +304,22 @@ class _Simulation:
         if self.one_way:
             heapq.heappush(self.heap, (now + self.one_way, KV_ARRIVED, rid))
         else:
-            self._to_decode(now, rid)
-
-    def _on_decoded(self, now: float, rid: int) -> None:
-        if self.decode_q:
-            nxt = self.decode_q.popleft()
-            self.decode_wait += now - self.decode_since[nxt]
-            self._first_token(now, nxt)
-        else:
-            self.decode_free += 1
+            self.decode.submit(now, rid)
 
     def _on_bandwidth(self, now: float, index: int) -> None:
         self.link.on_bandwidth(now, self.spec.bandwidth_trace[index][1])
-
-    def _to_decode(self, now: float, rid: int) -> None:
-        if self.decode_free:
-            self.decode_free -= 1
-            self._first_token(now, rid)
-        else:
-            self.decode_since[rid] = now
-            self.decode_q.append(rid)
-            if len(self.decode_q) > self.decode_max_q:
-                self.decode_max_q = len(self.decode_q)
 
     def _first_token(self, now: float, rid: int) -> None:
         """``rid``'s KV sits on a decode instance with a batch slot: its TTFT ends, its decode starts."""
         self.ttft[rid] = now - self.arrival_t[rid]
         if now <= self.deadline[rid]:
             self.slo_met += 1
-        heapq.heappush(self.heap, (now + self.decode_s, DECODE, rid))
+        if self.admission is not None:
+            self.admission.first_token(now, rid)
 
-    def _result(self, wall_s: float) -> SimResult:
-        spec, topo = self.spec, self.spec.topology
-        n, nominal_bw, channels = spec.num_requests, self.nominal_bw, self.link.num_channels
-        parts = {"prfaas_prefill": self.prfaas, "local_prefill": self.local, "link": self.link}
-        return SimResult(
-            policy=spec.policy, offered_rate=spec.rate, num_requests=n,
-            threshold_tokens=None if math.isinf(self.threshold) else self.threshold,
-            arrivals=self.arrival_t, ttfts=self.ttft, num_slo_met=self.slo_met, decode_s=self.decode_s,
-            output_tokens=spec.workload.output_tokens, num_offloaded=self.num_offloaded,
-            offloaded_kv_bytes=self.offloaded_bytes,
-            busy_s={"prfaas_prefill": self.busy_prfaas, "local_prefill": self.busy_local,
-                    "link": self.offloaded_bytes / nominal_bw if nominal_bw else 0.0, "decode": n * self.decode_s},
-            servers={"prfaas_prefill": topo.num_prfaas, "local_prefill": topo.num_local_prefill,
-                     "link": channels if nominal_bw else 0, "decode": topo.num_decode * topo.max_batch_size},
-            wait_s={**{name: part.wait_s for name, part in parts.items()}, "decode": self.decode_wait},
-            max_queue={**{name: part.max_queue for name, part in parts.items()}, "decode": self.decode_max_q},
-            backlog_at_last_arrival=self.backlog, samples=self.samples,
-            threshold_range=(self.min_t, self.max_t) if self.controller is not None else None,
-            wall_s=wall_s,
-        )
+    def _finished(self, now: float, rid: int) -> None:
+        """``rid``'s last token is out."""
+        if self.finish is not None:
+            self.finish[rid] = now
+        if self.admission is not None:
+            self.admission.finished()

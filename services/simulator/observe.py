@@ -24,8 +24,8 @@ def observe(sim: Any, controller: CongestionAwareThreshold, now: float) -> None:
         now_s=now, egress_gbps=(sent - sim.sent_seen) / GBPS / (now - sim.observed_at)
         if now > sim.observed_at else 0.0,
         rtt_increase_ms=1000.0 * link.oldest_wait_s(now),
-        num_queued=len(sim.prfaas.queue) + len(link.queue), capacity_gbps=link.gbps_now,
-        num_local_queued=len(sim.local.queue), num_local_workers=spec.topology.num_local_prefill,
+        num_queued=sim.prfaas.num_queued + len(link.queue), capacity_gbps=link.gbps_now,
+        num_local_queued=sim.local_queued, num_local_workers=sim.topo.num_local_prefill + sim.topo.num_both,
         num_usable_workers=spec.topology.num_prfaas if link.gbps_now > 0 else 0)
     sim.sent_seen, sim.observed_at = sent, now
     if now >= sim.next_reoptimize:

@@ -32,17 +32,23 @@ Finished = Callable[[float, int], None]
 
 class PrefillCluster:
     def __init__(self, num_instances: int, latency: PiecewiseLinear | None, chunk_tokens: int, kinds: tuple[int, int],
-                 heap: list, arrival_t: array, num_requests: int) -> None:
+                 heap: list, arrival_t: array, num_requests: int, event_base: int = 0,
+                 shared: PrefillCluster | None = None) -> None:
         """``kinds``: the heap event kinds of a finished prefill (or step) and of a finished pool
-        load; the owner routes those events to :meth:`on_event` and :meth:`on_loaded`."""
+        load; the owner routes those events to :meth:`on_event` and :meth:`on_loaded`. A chunked
+        step's event carries ``event_base`` + its instance. ``shared``: a cluster whose per-request
+        arrays this one uses too (one-instance clusters standing for the instances of one cluster)."""
         self.num_instances, self.latency, self.chunk_tokens = num_instances, latency, chunk_tokens
         self.kind, self.loaded_kind = kinds
-        self.heap, self.arrival_t = heap, arrival_t
+        self.heap, self.arrival_t, self.event_base = heap, arrival_t, event_base
         self.queue: deque[int] = deque()
         self.free = num_instances
-        self.work = array("d", bytes(8 * num_requests))        # whole: T(l); chunked: l
-        self.load = array("d", bytes(8 * num_requests))        # pool load still to do, seconds
-        self.done = array("d", bytes(8 * num_requests)) if chunk_tokens else self.work
+        if shared is not None:
+            self.work, self.load, self.done = shared.work, shared.load, shared.done
+        else:
+            self.work = array("d", bytes(8 * num_requests))        # whole: T(l); chunked: l
+            self.load = array("d", bytes(8 * num_requests))        # pool load still to do, seconds
+            self.done = array("d", bytes(8 * num_requests)) if chunk_tokens else self.work
         self.running: list[deque[int]] = [deque() for _ in range(num_instances)]
         self.pieces: list[tuple[tuple[int, float], ...]] = [()] * num_instances
         self.idle = list(range(num_instances - 1, -1, -1))
@@ -51,6 +57,10 @@ class PrefillCluster:
         self.finished: Finished = _nothing
         self.started: Finished | None = None
         self.on_event = self._on_step if chunk_tokens else self._on_prefilled
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.queue)
 
     def submit(self, now: float, rid: int, work: float, load_s: float = 0.0) -> None:
         """A request arrives: ``work`` is its prefill time T(l) (whole) or its uncached tokens l (chunked)."""
@@ -171,9 +181,10 @@ class PrefillCluster:
 
     def _schedule(self, now: float, instance: int, cost: float, pieces: tuple[tuple[int, float], ...]) -> None:
         self.pieces[instance] = pieces
-        heapq.heappush(self.heap, (now + cost, self.kind, instance))
+        heapq.heappush(self.heap, (now + cost, self.kind, self.event_base + instance))
 
-    def _on_step(self, now: float, instance: int) -> None:
+    def _on_step(self, now: float, event: int) -> None:
+        instance = event - self.event_base
         tokens, done, running = self.work, self.done, self.running[instance]
         finished = []
         for rid, end in self.pieces[instance]:

@@ -18,6 +18,17 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   (:func:`exposed_transfer_s`). Off: the KV is sent after the prefill, as the closed form assumes.
 - ``pool_load_gbps``: how fast a prefill instance loads a cache-pool hit (the prefix given by the
   workload's ``prefix_hit``); 0: loads take no time.
+- ``per_instance``: the router's choice is one instance, not a cluster: every worker is its own
+  ``WorkerView`` with its load, ``choose_route`` picks the decode worker and the prefill worker, and
+  each instance queues its own requests (:mod:`services.simulator.instances`). Off: one view per
+  role and one shared FIFO queue per cluster.
+- ``local_both``: N > 0 replaces the local PD cluster (its N_p prefill and N_d decode instances)
+  with N colocated ``both`` workers, each one engine that prefills local-path requests and decodes
+  every path (:mod:`services.simulator.colocated`); implies ``per_instance``.
+- ``admission``: the router's admission control (``services.scheduling.admission.admit``) judges
+  each routed request; rejected requests are counted and enter no queue. ``max_in_flight``: its
+  capacity (the router's ``max_in_flight_requests``; 0: ``max_batch_size`` per generating
+  instance); ``admission_ttft_slo_s``: the TTFT SLO of its one QoS class (0: none).
 """
 from __future__ import annotations
 
@@ -45,16 +56,28 @@ class RuntimeModel:
     connection_window_bytes: int = TCP_WMEM_MAX_BYTES - NOTSENT_LOWAT_BYTES
     layerwise: bool = False
     pool_load_gbps: float = 0.0
+    per_instance: bool = False
+    local_both: int = 0
+    admission: bool = False
+    max_in_flight: int = 0
+    admission_ttft_slo_s: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [("chunk_tokens", self.chunk_tokens >= 0, "must be 0 (whole requests) or positive"),
                   ("link_rtt_ms", self.link_rtt_ms >= 0, "must not be negative"),
                   ("connections", self.connections >= 1, "must be at least 1"),
                   ("connection_window_bytes", self.connection_window_bytes >= 0, "must be 0 (unbounded) or positive"),
-                  ("pool_load_gbps", self.pool_load_gbps >= 0, "must be 0 (loads take no time) or positive")]
+                  ("pool_load_gbps", self.pool_load_gbps >= 0, "must be 0 (loads take no time) or positive"),
+                  ("local_both", self.local_both >= 0, "must be 0 (a prefill/decode split) or positive"),
+                  ("max_in_flight", self.max_in_flight >= 0, "must be 0 (max_batch_size per instance) or positive"),
+                  ("admission_ttft_slo_s", self.admission_ttft_slo_s >= 0, "must be 0 (no SLO) or positive")]
         for key, ok, message in checks:
             if not ok:
                 raise RuntimeInputError(f"simulation.{key}: {message}, got {getattr(self, key)!r}")
+
+    @property
+    def dispatches_per_instance(self) -> bool:
+        return self.per_instance or self.local_both > 0
 
     @property
     def one_way_s(self) -> float:

@@ -1,7 +1,7 @@
 """What one simulation run models: the deployment a policy runs on, the workload, the offered load."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from services.planner.distribution import TruncatedLogNormal
@@ -33,6 +33,7 @@ class Topology:
     local_latency: PiecewiseLinear | None
     link_gbps: float
     kv_bytes: PiecewiseLinear | None = None   # the model's KV bytes by length, for pool loads
+    num_both: int = 0                         # colocated workers: prefill (local path) and decode in one engine
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,15 @@ def deployment_views(topology: Topology) -> tuple[WorkerView, ...]:
     if topology.num_local_prefill:
         views.append(WorkerView("local", True, role="prefill", cluster="local", generates=False, prefills=True))
     return tuple(views)
+
+
+def colocated(topology: Topology, num_both: int) -> Topology:
+    """``topology`` with its local PD instances (prefill-role and decode-role) replaced by ``num_both``
+    colocated workers, which prefill with the local prefill profile and decode with the decode profile;
+    ``topology`` itself when ``num_both`` is 0."""
+    if not num_both:
+        return topology
+    return replace(topology, num_local_prefill=0, num_decode=0, num_both=num_both)
 
 
 def workload_of(inputs: PlanInputs) -> Workload:

@@ -154,13 +154,14 @@ def run_cli(config, *args):
 
 def test_simulation_section_and_flags(tmp_path):
     raw = yaml.safe_load(CASE_STUDY.read_text())
-    raw["simulation"] = {"chunk_tokens": 8192, "link_rtt_ms": 20, "layerwise": True}
+    raw["simulation"] = {"chunk_tokens": 8192, "link_rtt_ms": 20, "layerwise": True, "local_both": 4}
     config = tmp_path / "plan.yaml"
     config.write_text(yaml.safe_dump(raw))
-    result = run_cli(config, "--link-rtt-ms", "5", "--pool-load-gbps", "100")
+    result = run_cli(config, "--link-rtt-ms", "5", "--pool-load-gbps", "100", "--admission")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["runtime"] == {
         "chunk_tokens": 8192, "link_rtt_ms": 5.0, "connections": 8, "connection_window_bytes": 3 * MIB,
-        "layerwise": True, "pool_load_gbps": 100.0}
+        "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4, "admission": True,
+        "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")

@@ -1,0 +1,238 @@
+"""Colocated ``both`` workers: one engine per instance that prefills the requests routed to it on the
+local path and decodes every request whose decode worker it is (its own prefills and KV streamed from
+the PrfaaS cluster), so prefill chunks and decode steps share each engine step.
+
+The step model is additive: a step costs the latency curve's price of its prefill pieces (formed as
+:mod:`services.simulator.prefill` forms chunked steps; with ``chunk_tokens`` 0 one whole request per
+step) plus ``step_s``, the decode step time, when it also advances running decodes. A step with no
+prefill advances only the decodes and costs ``step_s``; such steps run back to back as one event until
+the next decode ends or prefill work arrives (which joins at the next step boundary). Every running
+decode advances one token per step and ends after ``output_tokens`` steps; at most ``max_batch_size``
+decode at once, others wait for a slot in arrival order. A request's TTFT ends when it takes its slot
+(its prefill ended here, or its KV arrived). Pool loads as in :mod:`services.simulator.prefill`.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import deque
+from collections.abc import Callable
+
+from services.planner.profiles import PiecewiseLinear
+from services.scheduling.placement import WorkerView
+
+Event = Callable[[float, int], None]
+IDLE, MIXED, DECODING = range(3)
+BOUNDARY_TOLERANCE = 1e-9        # steps: an arrival this close to a step boundary joins the step starting there
+
+
+class ColocatedInstances:
+    def __init__(self, num_instances: int, latency: PiecewiseLinear | None, chunk_tokens: int, max_batch_size: int,
+                 step_s: float, output_tokens: int, kinds: tuple[int, int], heap: list, num_requests: int,
+                 first_token: Event) -> None:
+        """``kinds``: heap event kinds of a finished step (keyed by instance and version) and of a finished
+        pool load (keyed by request), routed by the owner to :meth:`on_step` and :meth:`on_loaded`.
+        ``latency``: the local prefill curve (None: the deployment routes nothing to the local path)."""
+        n = self.num_instances = num_instances
+        self.latency, self.chunk_tokens, self.max_batch_size = latency, chunk_tokens, max_batch_size
+        self.step_s, self.output_tokens, self.first_token = step_s, output_tokens, first_token
+        self.kind, self.loaded_kind = kinds
+        self.heap = heap
+        self.dest = array("i", bytes(4 * num_requests))
+        self.work, self.done, self.load = (array("d", bytes(8 * num_requests)) for _ in range(3))
+        self.since = array("d", bytes(8 * num_requests))
+        self.queue: list[deque[int]] = [deque() for _ in range(n)]          # prefills not started
+        self.prefilling: list[deque[int]] = [deque() for _ in range(n)]     # chunked prefills started
+        self.decoding: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]   # (last step, rid)
+        self.waiting: list[deque[int]] = [deque() for _ in range(n)]        # prefilled, no decode slot yet
+        self.pieces: list[tuple[tuple[int, float], ...]] = [()] * n
+        self.num_steps = [0] * n
+        self.state, self.version = [IDLE] * n, [0] * n
+        self.run_start, self.run_from, self.run_steps = [0.0] * n, [0] * n, [0] * n
+        self.num_in_flight, self.num_loading = [0] * n, [0] * n
+        self.dirty: set[int] = set(range(n))
+        self.prefill_wait_s = self.wait_s = 0.0
+        self.max_prefill_queue = self.max_queue = 0
+        self.finished: Event = _nothing
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a decode slot."""
+        return sum(len(w) for w in self.waiting)
+
+    @property
+    def num_prefill_queued(self) -> int:
+        return sum(len(q) for q in self.queue)
+
+    def routed(self, instance: int) -> None:
+        self.num_in_flight[instance] += 1
+        self.dirty.add(instance)
+
+    def view(self, instance: int) -> WorkerView:
+        running = len(self.prefilling[instance]) + len(self.decoding[instance])
+        waiting = len(self.queue[instance]) + len(self.waiting[instance]) + self.num_loading[instance]
+        return WorkerView(f"both-{instance}", True, role="both", cluster="local", generates=True, prefills=True,
+                          receives_kv=True, num_in_flight=self.num_in_flight[instance], num_running=running,
+                          num_waiting=waiting)
+
+    # Arrivals -------------------------------------------------------------------------------------
+
+    def prefill(self, now: float, rid: int, tokens: float, load_s: float = 0.0) -> None:
+        """A local-path request arrives with ``tokens`` uncached prompt tokens."""
+        instance = self.dest[rid]
+        self.work[rid], self.since[rid] = tokens, now
+        if load_s:
+            self.load[rid] = load_s
+        queue = self.queue[instance]
+        queue.append(rid)
+        self.max_prefill_queue = max(self.max_prefill_queue, len(queue))
+        self._prefill_arrived(now, instance)
+
+    def submit(self, now: float, rid: int) -> None:
+        """``rid``'s KV is complete on its decode instance (streamed from the PrfaaS cluster)."""
+        instance = self.dest[rid]
+        self._to_decode(now, instance, rid)
+        if self.state[instance] == IDLE:
+            self._next_step(now, instance)
+
+    def on_loaded(self, now: float, rid: int) -> None:
+        instance = self.dest[rid]
+        self.num_loading[instance] -= 1
+        self.queue[instance].appendleft(rid)
+        self._prefill_arrived(now, instance)
+
+    def _prefill_arrived(self, now: float, instance: int) -> None:
+        self.dirty.add(instance)
+        state = self.state[instance]
+        if state == IDLE:
+            self._next_step(now, instance)
+        elif state == DECODING:                 # the decode run ends at the next step boundary
+            boundary = self._next_boundary(now, instance)
+            if boundary < self.run_steps[instance]:
+                self.run_steps[instance] = boundary
+                self._schedule(self.run_start[instance] + boundary * self.step_s, instance)
+
+    def _next_boundary(self, now: float, instance: int) -> int:
+        """Steps of the decode run done at the first step boundary at or after ``now``."""
+        steps = math.ceil((now - self.run_start[instance]) / self.step_s - BOUNDARY_TOLERANCE)
+        return min(steps, self.run_steps[instance])
+
+    # Decode slots ---------------------------------------------------------------------------------
+
+    def _to_decode(self, now: float, instance: int, rid: int) -> None:
+        self.dirty.add(instance)
+        if len(self.decoding[instance]) < self.max_batch_size and not self.waiting[instance]:
+            self._join(now, instance, rid)
+            return
+        self.since[rid] = now
+        waiting = self.waiting[instance]
+        waiting.append(rid)
+        self.max_queue = max(self.max_queue, len(waiting))
+
+    def _join(self, now: float, instance: int, rid: int) -> None:
+        """``rid`` decodes from the next step on: its last token comes ``output_tokens`` steps later."""
+        first = self.num_steps[instance]
+        state = self.state[instance]
+        if state == MIXED:
+            first += 1
+        elif state == DECODING:
+            first = self.run_from[instance] + self._next_boundary(now, instance)
+        self.decoding[instance].append((first + self.output_tokens, rid))
+        self.first_token(now, rid)
+
+    # Steps ----------------------------------------------------------------------------------------
+
+    def on_step(self, now: float, key: int) -> None:
+        instance = key % self.num_instances
+        if key // self.num_instances != self.version[instance]:
+            return                               # a decode run cut short by prefill work
+        if self.state[instance] == DECODING:
+            self.num_steps[instance] = self.run_from[instance] + self.run_steps[instance]
+        else:
+            self.num_steps[instance] += 1
+        self.state[instance] = IDLE
+        self.dirty.add(instance)
+        decoding, step = self.decoding[instance], self.num_steps[instance]
+        while decoding and decoding[0][0] <= step:
+            self.num_in_flight[instance] -= 1
+            self.finished(now, decoding.popleft()[1])
+        for rid, end in self.pieces[instance]:
+            self.done[rid] = end
+            if end >= self.work[rid]:
+                self.prefilling[instance].popleft()
+                self._to_decode(now, instance, rid)
+        self.pieces[instance] = ()
+        waiting = self.waiting[instance]
+        while waiting and len(decoding) < self.max_batch_size:
+            rid = waiting.popleft()
+            self.wait_s += now - self.since[rid]
+            self._join(now, instance, rid)
+        self._next_step(now, instance)
+
+    def _next_step(self, now: float, instance: int) -> None:
+        pieces, cost = self._prefill_pieces(now, instance)
+        decoding = self.decoding[instance]
+        if pieces:
+            self.pieces[instance] = pieces
+            self.state[instance] = MIXED
+            self._schedule(now + cost + (self.step_s if decoding else 0.0), instance)
+        elif decoding:
+            self.state[instance] = DECODING
+            self.run_start[instance], self.run_from[instance] = now, self.num_steps[instance]
+            self.run_steps[instance] = decoding[0][0] - self.num_steps[instance]
+            self._schedule(now + self.run_steps[instance] * self.step_s, instance)
+
+    def _prefill_pieces(self, now: float, instance: int) -> tuple[tuple[tuple[int, float], ...], float]:
+        """This step's prefill pieces: started prefills first, then queued ones while budget is left."""
+        budget = float(self.chunk_tokens) if self.chunk_tokens else math.inf
+        pieces, cost = [], 0.0
+        prefilling = self.prefilling[instance]
+        for rid in prefilling:
+            if budget <= 0:
+                break
+            end, budget = self._piece(rid, budget)
+            cost += self._cost(rid, end)
+            pieces.append((rid, end))
+        while budget > 0 and not (pieces and not self.chunk_tokens):
+            rid = self._take(now, instance)
+            if rid < 0:
+                break
+            prefilling.append(rid)
+            end, budget = self._piece(rid, budget)
+            cost += self._cost(rid, end)
+            pieces.append((rid, end))
+        return tuple(pieces), cost
+
+    def _take(self, now: float, instance: int) -> int:
+        queue = self.queue[instance]
+        while queue:
+            rid = queue.popleft()
+            if self.load[rid]:
+                heapq.heappush(self.heap, (now + self.load[rid], self.loaded_kind, rid))
+                self.load[rid] = 0.0
+                self.num_loading[instance] += 1
+                continue
+            self.prefill_wait_s += now - self.since[rid]
+            return rid
+        return -1
+
+    def _piece(self, rid: int, budget: float) -> tuple[float, float]:
+        left = self.work[rid] - self.done[rid]
+        if left <= budget:
+            return self.work[rid], budget - left
+        return self.done[rid] + budget, 0.0
+
+    def _cost(self, rid: int, end: float) -> float:
+        latency, start = self.latency, self.done[rid]
+        if latency is None:
+            raise ValueError("a colocated worker got a local prefill, but the deployment has no local prefill profile")
+        return latency(end) - latency(start) if start else latency(end)
+
+    def _schedule(self, at: float, instance: int) -> None:
+        self.version[instance] += 1
+        heapq.heappush(self.heap, (at, self.kind, self.version[instance] * self.num_instances + instance))
+
+
+def _nothing(now: float, rid: int) -> None:
+    return None

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "services.planner.cli",         # plan
     "services.simulator.cli",       # simulate
     "services.loadgen.cli",         # bench
+    "services.profiler.cli",        # profile
     "services.models.cli",          # model
 )
 

@@ -15,7 +15,7 @@ def test_every_command_module_registers(module):
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for command in ("up", "router", "prefill-worker", "decode-worker", "plan", "simulate", "bench", "model"):
+    for command in ("up", "router", "prefill-worker", "decode-worker", "plan", "simulate", "bench", "model", "profile"):
         assert command in out
 
 

@@ -11,9 +11,9 @@ Load: the project's load-generator client (services/loadgen/client.py) sends str
 at a steady rate, a seeded mix of short prompts (local path) and long ones (PrfaaS path), greedy,
 ``max_tokens`` fixed and EOS ignored. Prompts are English prose (random token ids make near-ties
 that any change of batch flips), each used once, and each prompt's expected text is computed before
-the run by one colocated vLLM engine built as the workers build theirs (tests/support/baseline.py):
-for a long prompt, two texts are right, the one-chunk prefill's and the disaggregated one's (see
-``expected_answers``).
+the run by colocated vLLM engines built as the workers build theirs (tests/support/baseline.py):
+for a long prompt, two texts are right, the one-chunk prefill's and the disaggregated one's; prompts
+whose answer rests on a tie of two logits are not used (see ``checkable_prompts``).
 
 Faults, seeded and scheduled one after another (``--faults`` picks; all by default):
 kill_prefill (SIGKILL prefill-0, restart), kill_pd (SIGKILL pd-1, restart), kill_pool (SIGKILL
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 from _common import ROOT
-from support.baseline import colocated_greedy
+from support.baseline import greedy_margins
 from support.deployment import Deployment, deployment_config
 from support.netns import available, run_command
 from support.ports import free_port
@@ -74,6 +74,8 @@ LONG = (449, 641, 833)           # above it: few lengths, one reference engine p
 THRESHOLD = 256
 OUTPUT_TOKENS = 12
 LONG_SHARE = 0.35
+MIN_LEAD = 0.01                  # nats by which every answer token must beat the runner-up
+CANDIDATES_PER_PROMPT = 1.7      # prompts drawn per prompt kept (about 1 in 3 has a tie somewhere)
 NOMINAL_MBIT, RTT_MS = 400.0, 10.0
 HANG_S, DROP_S, CUT_S, CUT_FACTOR = 30.0, 20.0, 60.0, 10.0
 KILLED_DOWN_S = 5.0              # a killed process stays dead this long before its restart
@@ -170,16 +172,35 @@ def make_prompts(count: int, seed: int) -> list[tuple[str, list[int]]]:
     return prompts
 
 
-def expected_answers(model_path: str, prompts) -> list[set[str]]:
-    """The answers a healthy system may give, per prompt. A prompt prefilled where it is decoded is
-    one chunk; one prefilled elsewhere (PrfaaS or PD path) reaches the decode engine as ``N-1``
-    computed tokens, and the engine computes the last one alone. In bf16 the two orders of sums can
-    flip a near-tie (measured: one prompt in ~60), so a long prompt's answer is right when it equals
-    either colocated reference: one chunk of ``N``, or a chunk of ``N-1`` then one token.
+def checkable_prompts(model_path: str, count: int, seed: int) -> tuple[list, list[set[str]]]:
+    """``count`` prompts whose answers can be checked token for token, and the answers a healthy
+    system may give for each.
+
+    A prompt prefilled where it is decoded is one chunk; one prefilled elsewhere (PrfaaS or PD path)
+    reaches the decode engine as ``N-1`` computed tokens, and the engine computes the last one alone.
+    A long prompt's answer is right when it equals either colocated reference: one chunk of ``N``, or
+    a chunk of ``N-1`` then one token. A prompt is kept only if, in both references, every answer
+    token beats the runner-up by ``MIN_LEAD``: about a third of the candidates rest somewhere on two
+    logits equal in bf16, a tie broken by token index that any other batch or chunk may break the
+    other way (measured: such a prompt, recomputed after a failed transfer, gave a third text).
 
     Two reference engines share the work, one per core. The answers are kept in the prfaas cache
     directory under a hash of everything that decides them (prompts, chunks, model, vLLM version),
     so a run with the same seed skips this step."""
+    candidates = make_prompts(int(count * CANDIDATES_PER_PROMPT) + 10, seed)
+    answers = reference_answers(model_path, candidates)
+    kept = [(prompt, {text for text, _ in pair}) for prompt, pair in zip(candidates, answers)
+            if min(lead for _, lead in pair) >= MIN_LEAD]
+    print(f"chaos: {len(kept)} of {len(candidates)} candidate prompts have answers decided by at least "
+          f"{MIN_LEAD} nats at every token", flush=True)
+    if len(kept) < count:
+        raise SystemExit(f"chaos: only {len(kept)} checkable prompts for the {count} the run sends")
+    return [prompt for prompt, _ in kept[:count]], [texts for _, texts in kept[:count]]
+
+
+def reference_answers(model_path: str, prompts) -> list[list[tuple[str, float]]]:
+    """Per prompt, its references' (text, smallest lead): one chunk of ``N``, and for a long prompt
+    also ``N-1`` then one token."""
     import hashlib
 
     import vllm
@@ -189,19 +210,19 @@ def expected_answers(model_path: str, prompts) -> list[set[str]]:
     ids = [p for _, p in prompts]
     longs = [i for i, (kind, _) in enumerate(prompts) if kind == "long"]
     work = [(i, ids[i], BUDGET) for i in range(len(ids))] + [(i, ids[i], len(ids[i]) - 1) for i in longs]
-    key = hashlib.sha256(json.dumps([work, model_path, vllm.__version__, OUTPUT_TOKENS]).encode()).hexdigest()
-    cached = cache_dir() / "chaos" / f"expected-{key[:24]}.json"
+    key = hashlib.sha256(json.dumps([work, model_path, vllm.__version__, OUTPUT_TOKENS, "leads"]).encode())
+    cached = cache_dir() / "chaos" / f"expected-{key.hexdigest()[:24]}.json"
     if cached.exists():
         print(f"chaos: expected answers from {cached}", flush=True)
-        pairs = json.loads(cached.read_text())
+        rows = json.loads(cached.read_text())
     else:
         halves = [work[0::2], work[1::2]]
-        results: list[list[str]] = [[], []]
+        results: list[list] = [[], []]
 
         def reference(half: int) -> None:
             part = halves[half]
-            results[half] = colocated_greedy(model_path, [w[1] for w in part], [w[2] for w in part],
-                                             OUTPUT_TOKENS, cpu=half)
+            results[half] = greedy_margins(model_path, [w[1] for w in part], [w[2] for w in part],
+                                           OUTPUT_TOKENS, cpu=half)
 
         threads = [threading.Thread(target=reference, args=(half,)) for half in (0, 1)]
         for thread in threads:
@@ -210,13 +231,13 @@ def expected_answers(model_path: str, prompts) -> list[set[str]]:
             thread.join()
         if len(results[0]) != len(halves[0]) or len(results[1]) != len(halves[1]):
             raise RuntimeError("the reference engine failed; see the error above")
-        pairs = [[w[0], text] for half in (0, 1) for w, text in zip(halves[half], results[half])]
+        rows = [[w[0], text, lead] for half in (0, 1) for w, (text, lead) in zip(halves[half], results[half])]
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(pairs))
-    expected: list[set[str]] = [set() for _ in ids]
-    for index, text in pairs:
-        expected[index].add(text)
-    return expected
+        cached.write_text(json.dumps(rows))
+    answers: list[list[tuple[str, float]]] = [[] for _ in ids]
+    for index, text, lead in rows:
+        answers[index].append((text, lead))
+    return answers
 
 
 # --- faults ----------------------------------------------------------------------------------------
@@ -700,13 +721,12 @@ def main(argv=None) -> int:
     run = Run(args)
     run.faults = schedule(args.fault_names, args.seed)
     count = int(args.rate * (max(args.minutes * 60, _schedule_length(run.faults)) + 60)) + 10
-    prompts = make_prompts(count, args.seed)
-    print(f"chaos: {len(prompts)} prompts; computing their expected answers with one colocated engine ...",
+    print(f"chaos: {count} prompts; computing the expected answers of candidates with two colocated engines ...",
           flush=True)
     from services.models import smollm2
 
     started = time.monotonic()
-    expected = expected_answers(str(smollm2.prepare()), prompts)
+    prompts, expected = checkable_prompts(str(smollm2.prepare()), count, args.seed)
     print(f"chaos: expected answers in {time.monotonic() - started:.0f} s", flush=True)
     shm_dir = Path(f"/dev/shm/prfaas-chaos-{os.getpid()}")
     shm_dir.mkdir()

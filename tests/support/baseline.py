@@ -8,6 +8,11 @@ more than the model and the prompt:
   changes the order of bf16 sums;
 - the same chunks: a prompt of N tokens is prefilled with the caller's budget for it, which tests
   choose so that the consumer's ``N-1`` tokens split into the producer's chunks.
+
+Even so, a greedy answer can rest on a tie: two logits equal in bf16, broken by token index, which any
+reordered sum (another batch, another chunk) may break the other way. ``greedy_margins`` gives, per
+prompt, the smallest lead of the chosen token over the runner-up, so a caller can keep only prompts
+whose answer is decided.
 """
 from __future__ import annotations
 
@@ -22,21 +27,44 @@ def colocated_greedy(model_path: str, prompts: list[list[int]], budgets: list[in
                      cpu: int = 0, **engine) -> list[str]:
     """Text of ``max_tokens`` greedy tokens (EOS ignored) per prompt, each prefilled with its budget,
     on one OpenMP thread bound to ``cpu``."""
+    return [text for text, _ in _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=False)]
+
+
+def greedy_margins(model_path: str, prompts: list[list[int]], budgets: list[int], max_tokens: int,
+                   cpu: int = 0, **engine) -> list[tuple[str, float]]:
+    """As ``colocated_greedy``, with each answer's smallest logprob lead of the chosen token over the
+    runner-up (0.0 where two candidates tie)."""
+    return [(text, margin) for text, margin in
+            _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=True)]
+
+
+def _reference(model_path: str, prompts, budgets, max_tokens: int, cpu: int, engine: dict,
+               margins: bool) -> list[list]:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as inputs:  # too long for a command line
         json.dump({"prompts": prompts, "budgets": budgets}, inputs)
         inputs.flush()
-        return _run_reference(model_path, inputs.name, max_tokens, engine, cpu, timeout=300 + 3 * len(prompts))
+        return _run_reference(model_path, inputs.name, max_tokens, engine, cpu, margins,
+                              timeout=300 + 3 * len(prompts))
 
 
-def _run_reference(model_path: str, inputs: str, max_tokens: int, engine: dict, cpu: int,
-                   timeout: float) -> list[str]:
+def _run_reference(model_path: str, inputs: str, max_tokens: int, engine: dict, cpu: int, margins: bool,
+                   timeout: float) -> list[list]:
     code = f"""
 import json
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 inputs = json.load(open({inputs!r}))
 prompts, budgets = inputs["prompts"], inputs["budgets"]
-params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs={2 if margins else None})
+
+
+def lead(output):
+    if not output.logprobs:
+        return None
+    tops = [sorted((c.logprob for c in step.values()), reverse=True) for step in output.logprobs]
+    return min((top[0] - top[1] if len(top) > 1 else float("inf")) for top in tops)
+
+
 texts = [None] * len(prompts)
 for budget in sorted(set(budgets)):
     llm = LLM(model={model_path!r}, max_model_len=2048, dtype={resolve_dtype("auto", model_path)!r},
@@ -45,7 +73,7 @@ for budget in sorted(set(budgets)):
     for i, ids in enumerate(prompts):
         if budgets[i] == budget:
             output = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
-            texts[i] = output.outputs[0].text
+            texts[i] = [output.outputs[0].text, lead(output.outputs[0])]
     del llm
 print("RESULT" + json.dumps(texts))
 """

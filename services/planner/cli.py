@@ -57,6 +57,10 @@ def load_measured_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]
         workload = load_workload(args.workload)
         inputs = workload.apply(inputs)
         measured["measured_workload"] = workload.as_dict()
+    longest = max((entry["prefill"]["lengths"][-1] for entry in measured.get("measured_profiles", ())), default=None)
+    if longest is not None and inputs.workload.input_length.max_tokens > longest:
+        measured["extrapolation"] = (f"prompts reach {inputs.workload.input_length.max_tokens:,.0f} tokens; the "
+                                     f"measured prefill profile stops at {longest:,.0f} (extrapolated linearly)")
     return inputs, measured
 
 
@@ -67,6 +71,8 @@ def measured_text(measured: dict[str, Any]) -> list[str]:
     lines = profiles_text(measured.get("measured_profiles", ()))
     if "measured_workload" in measured:
         lines.append(workload_text(measured["measured_workload"]))
+    if "extrapolation" in measured:
+        lines.append(f"note: {measured['extrapolation']}")
     return lines
 
 

@@ -188,6 +188,7 @@ def test_profile_yaml_round_trips_into_plan_and_simulate(tmp_path):
     plan = json.loads(run_cli("plan", "--profile", str(path), "--json").stdout)
     (replaced,) = plan["measured_profiles"]
     assert sorted(replaced["replaced"]) == ["h200_prefill", "h20_decode", "h20_prefill"]
+    assert plan["extrapolation"].endswith("the measured prefill profile stops at 1,024 (extrapolated linearly)")
     kv = plan["phi_kv"]["h200_prefill"][0]
     assert kv["length_tokens"] == 128
     assert kv["latency_s"] == pytest.approx(document["profiles"]["prefill"]["latency_s"][0])

@@ -3,7 +3,8 @@
 Built from vLLM's ``KVCacheConfig`` and the tensors given to ``register_kv_caches``. Layers are
 numbered in registration order, which is identical on producer and consumer for the same model.
 Attention groups hold one block per ``block_size`` tokens; state groups (Mamba / Gated-DeltaNet)
-hold one fixed-size state page per request, valid only at the exact position it was taken.
+hold fixed-size state pages, each valid only at the exact position it was taken: one page per request
+with prefix caching off, one entry per block position (mostly null) in vLLM's ``align`` mode.
 """
 from __future__ import annotations
 
@@ -64,6 +65,18 @@ class KVLayout:
 def state_block(block_ids: tuple[int, ...]) -> int:
     """A state group's live page: the last non-null block id (align mode keeps one per position)."""
     return next((b for b in reversed(block_ids) if b != NULL_BLOCK), NULL_BLOCK)
+
+
+def state_block_at(block_ids: tuple[int, ...], num_tokens: int, block_size: int) -> int:
+    """A state group's page for the state after ``num_tokens`` tokens. In Mamba ``align`` mode (vLLM's
+    prefix caching on) a group has one entry per ``block_size`` tokens, and the state at a block-aligned
+    ``num_tokens`` is at position ``num_tokens / block_size - 1``: where a step that ends there wrote it,
+    and where vLLM's first step of a request with ``num_tokens`` loaded tokens reads it (then copies it on
+    to the step's running page). Otherwise, the live page (one per request with prefix caching off)."""
+    position = num_tokens // block_size - 1
+    if num_tokens % block_size == 0 and 0 <= position < len(block_ids) and block_ids[position] != NULL_BLOCK:
+        return block_ids[position]
+    return state_block(block_ids)
 
 
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:

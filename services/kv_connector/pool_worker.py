@@ -20,7 +20,7 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from services.cache_pool.types import Block, Pieces
-from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
+from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel
 from services.kv_connector.snapshot import PoolCounters
@@ -67,7 +67,7 @@ class PoolWorker:
             if ids:
                 copies[group] = [(layer, self.layout.extract(layer, ids)) for layer in self._layers(group)]
         for group in self.model.linear_group_ids if spec.state_hash else ():
-            page = _state_page(spec.block_ids[group], spec.end, self.model.block_size)
+            page = self._state_page(spec.block_ids, group, spec.end)
             if page != NULL_BLOCK:
                 copies[group] = [(layer, self.layout.extract(layer, [page])) for layer in self._layers(group)]
         return copies
@@ -137,7 +137,8 @@ class PoolWorker:
             return "the pool returned other blocks than asked for"
         targets = [spec.block_ids[g][i] for i in range(spec.first_block, len(spec.block_hashes))
                    for g in self.model.full_group_ids]
-        targets += [state_block(spec.block_ids[g]) for g in self.model.linear_group_ids]
+        end = len(spec.block_hashes) * self.model.block_size
+        targets += [self._state_page(spec.block_ids, g, end) for g in self.model.linear_group_ids]
         for block, target in zip(blocks, targets):
             if error := self._check(block, target):
                 return error
@@ -162,16 +163,11 @@ class PoolWorker:
             self.layout.write_some(layer, [target], [0], _span(block.data, offset, offset + size))
             offset += size
 
+    def _state_page(self, block_ids, group: int, num_tokens: int) -> int:
+        return state_block_at(block_ids[group], num_tokens, self.layout.block_size[group])
+
     def _layers(self, group: int) -> list[LayerInfo]:
         return sorted((info for info in self.layout.layers.values() if info.group == group), key=lambda i: i.index)
-
-
-def _state_page(block_ids: tuple[int, ...], end: int, block_size: int) -> int:
-    """The page holding the state after ``end`` tokens: the request's one page (prefix caching off),
-    or in Mamba ``align`` mode the page of that block position."""
-    if len(block_ids) > 1 and 0 < end // block_size <= len(block_ids) and block_ids[end // block_size - 1]:
-        return block_ids[end // block_size - 1]
-    return state_block(block_ids)
 
 
 def _join(copies: list[tuple[LayerInfo, torch.Tensor]], k: int) -> Pieces:

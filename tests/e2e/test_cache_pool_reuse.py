@@ -139,7 +139,28 @@ def test_a_worker_stores_the_kv_it_received_over_the_transport_in_its_pool(smol)
     the last prompt token and stores the blocks it received, so a next turn there is a pool hit."""
     deployment, _, _ = smol
     prompt = corpus()[3500:3500 + 4 * BLOCK + 10]  # shares no block with A's or B's prompts
-    before = deployment.worker_stats("pd-b").kv_pool_tokens_stored
+    before = _stored_by_pd_b(deployment)
+    replies = _stream_from_pd_a_to_pd_b(deployment, prompt)
+    assert sum(len(r.token_ids) for r in replies) == OUTPUT_TOKENS
+    assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
+    received_blocks = len(prompt) // BLOCK
+    assert wait_until(lambda: _stored_by_pd_b(deployment) == before + received_blocks * BLOCK, 10), \
+        deployment.worker_stats("pd-b")
+
+
+def _stored_by_pd_b(deployment) -> int:
+    """pd-b's stored-token count after one more engine step: the connector's counters reach a worker's
+    stats only with a step, and a store's background Put may end after its request's last step."""
+    port = next(w["port"] for w in deployment.config["workers"] if w["name"] == "pd-b")
+    request = pb.GenerateRequest(request_id=f"step-{uuid.uuid4().hex[:8]}", prompt_token_ids=[3, 4, 5],
+                                 sampling=pb.SamplingParams(max_tokens=1, temperature=0))
+    with deployment.security.channel(f"127.0.0.1:{port}") as channel:
+        list(pb_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60))
+    return deployment.worker_stats("pd-b").kv_pool_tokens_stored
+
+
+def _stream_from_pd_a_to_pd_b(deployment, prompt: list[int]) -> list[pb.GenerateResponse]:
+    """pd-a produces the prompt's KV (``prompt[:-1]``) and streams it to pd-b, which generates."""
     transfer_id = f"received-{uuid.uuid4().hex[:8]}"
     pd_b = next(w for w in deployment.config["workers"] if w["name"] == "pd-b")
     request = pb.GenerateRequest(request_id=transfer_id, prompt_token_ids=prompt,
@@ -152,19 +173,17 @@ def test_a_worker_stores_the_kv_it_received_over_the_transport_in_its_pool(smol)
             pb_grpc.PrefillWorkerStub(prefill).Prefill(pb.PrefillRequest(
                 request_id=transfer_id, prompt_token_ids=prompt, kv_target=f"127.0.0.1:{pd_b['kv_port']}",
                 transfer_id=transfer_id), timeout=300)
-        replies = replies.result()
-    assert sum(len(r.token_ids) for r in replies) == OUTPUT_TOKENS
-    assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
-    received_blocks = len(prompt) // BLOCK
-    assert wait_until(lambda: deployment.worker_stats("pd-b").kv_pool_tokens_stored == before + received_blocks * BLOCK,
-                      10), deployment.worker_stats("pd-b")
+        return replies.result()
 
 
 # Tiny hybrid (3 Gated-DeltaNet + 1 full attention) ---------------------------------------------
+# With vLLM's prefix caching on, the GDN groups run in Mamba "align" mode: one state entry per
+# block position, mostly null, the running state moving to a new block every step; a state loaded
+# for a prefix of n tokens must land at block position n / block - 1, where vLLM's first step reads it.
 
 HYBRID = "tiny-qwen3-next"
-HYBRID_BLOCK = 256   # vLLM raises the attention block to the GDN state's page size
-HYBRID_BUDGET = 512  # two blocks: A's chunks end, and its states are stored, at 512 and 1024 only
+HYBRID_BLOCK = 256  # vLLM raises the attention block to the GDN state's page size (either mode)
+HYBRID_BUDGET = 512  # A's chunks end, and its states are stored, at 512 and 1024 only
 
 
 def _random_tokens(length: int, seed: int) -> list[int]:
@@ -175,34 +194,52 @@ def _random_tokens(length: int, seed: int) -> list[int]:
 def _hybrid_prompts() -> dict[str, list[int]]:
     base = _random_tokens(1200, seed=1)
     return {"a": base,
-            # shares 1024 tokens: blocks 0-3 and the state at 1024 (a chunk end of A)
+            # shares 1024 tokens: the blocks before it and the state at 1024 (a chunk end of A)
             "on_state": base[:1024] + _random_tokens(100, seed=2),
-            # shares 800 tokens: blocks 0-2 (768), but A stored no state at 768: falls back to 512
-            "between_states": base[:800] + _random_tokens(150, seed=3)}
+            # shares 800 tokens: the blocks up to 768, but A stored no state at 768: falls back to 512
+            "between_states": base[:800] + _random_tokens(150, seed=3),
+            # streamed from pd-a to pd-b: 512 tokens received (one chunk of pd-a), the last computed
+            "streamed": _random_tokens(HYBRID_BUDGET + 1, seed=4)}
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["prefix-caching-off", "prefix-caching-on"])
+def hybrid(request, tmp_path_factory):
+    """Both workers with vLLM's prefix caching as the parameter says; the reference engine has none
+    (a prompt computed from scratch, in the same chunks)."""
     from services.models import tiny_hybrid
 
     prompts = _hybrid_prompts()
-    engine = {"max_num_batched_tokens": HYBRID_BUDGET, "enable_prefix_caching": False}
+    names = ("on_state", "between_states", "streamed")
+    engine = {"max_num_batched_tokens": HYBRID_BUDGET, "enable_prefix_caching": request.param}
     deployment, texts = _start_deployment_and_reference(
-        tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()),
-        [prompts["on_state"], prompts["between_states"]],
+        tmp_path_factory, HYBRID, engine, HYBRID_BLOCK, str(tiny_hybrid.prepare()), [prompts[n] for n in names],
         HYBRID_BUDGET)
     assert all(texts), "the reference generated empty texts: choose other seeds"
-    yield deployment, prompts, dict(zip(("on_state", "between_states"), texts))
+    yield deployment, prompts, dict(zip(names, texts))
     deployment.stop()
 
 
 def test_a_hybrid_prefix_and_its_linear_states_are_loaded_by_another_worker(hybrid):
     deployment, prompts, expected = hybrid
     _prefill_on_pd_a(deployment, prompts["a"])
-    # 4 full blocks of the attention group, and 2 states (512, 1024) of each of the 3 GDN groups
-    assert wait_until(lambda: _pool_holds(deployment, 4 + 2 * 3), 30), _pool_stats(deployment)
+    # A's full blocks of the attention group, and 2 states (512, 1024) of each of the 3 GDN groups
+    assert wait_until(lambda: _pool_holds(deployment, len(prompts["a"]) // HYBRID_BLOCK + 2 * 3), 30), \
+        _pool_stats(deployment)
     assert _complete(deployment, HYBRID, prompts["on_state"]) == expected["on_state"]
     assert wait_until(lambda: _loaded_by_pd_b(deployment, 1024), 10), deployment.worker_stats("pd-b")
     assert _complete(deployment, HYBRID, prompts["between_states"]) == expected["between_states"]
     assert wait_until(lambda: _loaded_by_pd_b(deployment, 1024 + 512), 10), deployment.worker_stats("pd-b")
     assert deployment.worker_stats("pd-b").kv_pool_loads_failed == 0
+
+
+def test_a_hybrid_prompt_streamed_between_workers_is_exact_and_stored(hybrid):
+    """The KV transport's path: attention blocks and the GDN states at N-1 go from pd-a to pd-b, which
+    computes the last token, answers as the reference does and stores the blocks it received."""
+    deployment, prompts, expected = hybrid
+    prompt = prompts["streamed"]
+    before = _stored_by_pd_b(deployment)
+    replies = _stream_from_pd_a_to_pd_b(deployment, prompt)
+    assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
+    assert "".join(r.text for r in replies) == expected["streamed"]
+    assert wait_until(lambda: _stored_by_pd_b(deployment) == before + len(prompt) // HYBRID_BLOCK * HYBRID_BLOCK,
+                      10), deployment.worker_stats("pd-b")

@@ -2,10 +2,10 @@
 layer). A producer streams the attention layer's blocks while it computes and the three
 linear-attention state pages when the prefill ends; the decode worker must then generate exactly
 what one colocated engine generates. Prompts longer than the threshold take the PrfaaS path
-(prefill-0), shorter ones the PD path (pd-p, a local prefill-role worker). Prefix caching is off
-(with it, vLLM keeps one state page per block-aligned position, a mode the cache-pool issue covers)
-and chunks are aligned as in test_kv_data_plane.py, against a reference engine built as in
-support/baseline.py.
+(prefill-0), shorter ones the PD path (pd-p, a local prefill-role worker). Prefix caching is off here;
+with it on (vLLM keeps one state page per block-aligned position), a stream between two workers is
+tested in test_cache_pool_reuse.py. Chunks are aligned as in test_kv_data_plane.py, against a
+reference engine built as in support/baseline.py.
 """
 from __future__ import annotations
 

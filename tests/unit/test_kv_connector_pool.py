@@ -18,7 +18,7 @@ from services.cache_pool.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
 from services.cache_pool.slots import Arena
 from services.cache_pool.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
-from services.kv_connector.layout import KVLayout
+from services.kv_connector.layout import KVLayout, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.params import consume
 from services.kv_connector.pool_io import PoolIO, PoolModel
@@ -209,9 +209,10 @@ def test_an_aborted_load_is_abandoned_once(scheduler, io):
 
 # Worker side ----------------------------------------------------------------------------------
 
-def _layout(fill: bool) -> KVLayout:
-    """Group 0: a recurrent state (one layer); group 1: full attention (two layers)."""
-    state = SimpleNamespace(block_size=64)
+def _layout(fill: bool, state_block_size: int = 64) -> KVLayout:
+    """Group 0: a recurrent state (one layer); group 1: full attention (two layers). A state block
+    size of ``BLOCK``: vLLM's Mamba ``align`` mode (prefix caching on)."""
+    state = SimpleNamespace(block_size=state_block_size)
     attention = SimpleNamespace(block_size=BLOCK, num_kv_heads=2)
     config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
         SimpleNamespace(layer_names=["l0"], kv_cache_spec=state),
@@ -224,10 +225,40 @@ def _layout(fill: bool) -> KVLayout:
     return KVLayout(config, caches)
 
 
-def _worker(io, fill: bool) -> PoolWorker:
+def _worker(io, fill: bool, state_block_size: int = 64) -> PoolWorker:
     worker = PoolWorker(io, HYBRID)
-    worker.layout = _layout(fill)
+    worker.layout = _layout(fill, state_block_size)
     return worker
+
+
+@pytest.mark.parametrize("block_ids, num_tokens, expected", [
+    ((7,), 3 * BLOCK, 7),                 # prefix caching off: the request's one page, wherever it ends
+    ((0, 0, 9), 3 * BLOCK, 9),            # align mode, a step that ended on a block boundary
+    ((0, 5, 9), 2 * BLOCK, 5),            # align mode: the state at 2 blocks, not the later running page
+    ((0, 0, 11, 12), 3 * BLOCK, 11),      # a load of 3 blocks: where vLLM's first step reads the state
+    ((0, 0, 9), 2 * BLOCK + 1, 9),        # not on a block boundary: the live page
+    ((0, 0, 9), 2 * BLOCK, 9),            # nothing at that position (freed): the live page
+    ((0, 0, 0), 3 * BLOCK, 0),            # no page at all
+])
+def test_the_state_page_of_a_position(block_ids, num_tokens, expected):
+    assert state_block_at(block_ids, num_tokens, BLOCK) == expected
+
+
+def test_align_mode_states_are_stored_and_loaded_at_their_block_positions(io):
+    """Prefix caching on: the source's state after 2 blocks is at position 1 (page 5; page 6 already
+    holds a later state); the target loads 2 blocks into a table whose running page (12) is after the
+    loaded prefix, so the state goes to position 1 (page 11), which vLLM copies on to page 12."""
+    source = _worker(io, fill=True, state_block_size=BLOCK)
+    target = _worker(io, fill=False, state_block_size=BLOCK)
+    hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+    source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+        "a", ((0, 5, 6), (1, 2, 3)), tuple(enumerate(hashes)), hashes[1], 2 * BLOCK)]))
+    source.store()
+    target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11, 12), (4, 8, 9)), hashes, 0)]))
+    assert target.finished_loads() == ({"b"}, set())
+    src, dst = source.layout.caches["l0"], target.layout.caches["l0"]
+    assert torch.equal(dst[11], src[5]) and not dst[12].any()
+    assert torch.equal(target.layout.caches["l1"][[4, 8]], source.layout.caches["l1"][[1, 2]])
 
 
 def test_stored_blocks_load_into_other_block_ids_byte_for_byte(io):

@@ -84,6 +84,7 @@ WARMUP_S = 15.0                  # load before the first fault
 COOLDOWN_S = 20.0                # load after the last fault's window
 MIN_COMPLETED = 0.99
 RSS_SETTLE_S = 90.0              # an RSS slope leaves out a service's first seconds (start-up, warm-up)
+RSS_SERIES_EVERY = 10             # samples (seconds) between two points of the RSS series in chaos.json
 RSS_MIN_SPAN_S = 60.0            # and needs this much time after them
 
 
@@ -490,8 +491,9 @@ def reaction_times(run: Run) -> dict[str, dict]:
 
 def rss_slopes(run: Run) -> dict[str, dict]:
     """Per service: RSS slope (MiB/hour, least squares over its last incarnation's samples from
-    ``RSS_SETTLE_S`` after its first one; none when fewer than ``RSS_MIN_SPAN_S`` remain), fds and
-    threads at its first and last sample."""
+    ``RSS_SETTLE_S`` after its first one; none when fewer than ``RSS_MIN_SPAN_S`` remain), the same over
+    the second half of those samples (warm-up, such as an engine's first touch of its KV cache, shows
+    in the first; a leak in both), the RSS series, fds and threads at its first and last sample."""
     figures = {}
     names = {name for sample in run.samples for name in sample["services"]}
     for name in sorted(names):
@@ -499,16 +501,24 @@ def rss_slopes(run: Run) -> dict[str, dict]:
         last_pid = points[-1][1]["pid"]
         points = [(t, p) for t, p in points if p["pid"] == last_pid]
         steady = [(t, p) for t, p in points if t >= points[0][0] + RSS_SETTLE_S]
-        slope = None
-        if len(steady) >= 3 and steady[-1][0] - steady[0][0] >= RSS_MIN_SPAN_S:
-            slope = statistics.linear_regression([t for t, _ in steady], [p["rss_mib"] for _, p in steady]).slope
-        figures[name] = {"rss_slope_mib_per_h": None if slope is None else round(slope * 3600, 1),
+        late = [(t, p) for t, p in steady if t >= (steady[0][0] + steady[-1][0]) / 2] if steady else []
+        figures[name] = {"rss_slope_mib_per_h": _slope_per_h(steady),
+                         "rss_slope_second_half_mib_per_h": _slope_per_h(late, RSS_MIN_SPAN_S / 2),
+                         "rss_series": [[round(t), round(p["rss_mib"])] for t, p in points[::RSS_SERIES_EVERY]],
                          "rss_mib": [round(points[0][1]["rss_mib"]), round(points[-1][1]["rss_mib"])],
                          "fds": [points[0][1]["fds"], points[-1][1]["fds"]],
                          "threads": [points[0][1]["threads"], points[-1][1]["threads"]],
                          "restarted": any(s["services"].get(name, {}).get("pid") not in (None, last_pid)
                                           for s in run.samples)}
     return figures
+
+
+def _slope_per_h(points, min_span_s: float = 0.0) -> float | None:
+    """Least-squares RSS slope in MiB/hour; none when fewer than three points or too short a span."""
+    if len(points) < 3 or points[-1][0] - points[0][0] < (min_span_s or RSS_MIN_SPAN_S):
+        return None
+    return round(statistics.linear_regression([t for t, _ in points], [p["rss_mib"] for _, p in points]).slope
+                 * 3600, 1)
 
 
 def kv_usage(deployment: Deployment) -> dict[str, float]:
@@ -619,9 +629,11 @@ def print_table(summary: dict, run: Run) -> None:
     for name, reaction in summary["scheduler_reaction"].items():
         print(f"scheduler on {name}: long prompts moved off the PrfaaS path after {reaction['moved_off_s']} s, "
               f"back {reaction['moved_back_s']} s after recovery")
-    print(f"{'service':12s} {'RSS MiB start/end':>18s} {'slope MiB/h':>12s} {'fds':>9s} {'threads':>9s}")
+    print(f"{'service':12s} {'RSS MiB start/end':>18s} {'slope MiB/h':>12s} {'2nd half':>9s} {'fds':>9s} "
+          f"{'threads':>9s}")
     for name, s in summary["services"].items():
         print(f"{name:12s} {s['rss_mib'][0]:>8d}/{s['rss_mib'][1]:<9d} {str(s['rss_slope_mib_per_h']):>12s} "
+              f"{str(s['rss_slope_second_half_mib_per_h']):>9s} "
               f"{s['fds'][0]:>4d}/{s['fds'][1]:<4d} {s['threads'][0]:>4d}/{s['threads'][1]:<4d}"
               f"{'  (restarted: last incarnation)' if s['restarted'] else ''}")
     print(f"KV usage idle before/after the load: {summary['kv_usage_before']} / {summary['kv_usage_after']}")
@@ -649,8 +661,8 @@ def plot(run: Run, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
-    for axis in (top, bottom):
+    fig, (top, bottom, memory) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    for axis in (top, bottom, memory):
         for fault in run.faults:
             axis.axvspan(fault.start, fault.end, color="tab:red", alpha=0.12)
     for fault in run.faults:
@@ -678,7 +690,11 @@ def plot(run: Run, path: Path) -> None:
     bottom.plot(xs, ys, color="tab:green")
     bottom.set_ylabel(f"long prompts offloaded\n(last {window:.0f} s)")
     bottom.set_ylim(-0.05, 1.05)
-    bottom.set_xlabel("seconds since the load started (shaded: fault windows)")
+    for name, figures in rss_slopes(run).items():
+        memory.plot(*zip(*figures["rss_series"]), label=name)
+    memory.set_ylabel("RSS (MiB, last\nincarnation)")
+    memory.legend(loc="lower right", fontsize=7, ncol=3)
+    memory.set_xlabel("seconds since the load started (shaded: fault windows)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -107,14 +107,18 @@ class PlanInputs:
 
 
 def load_plan_inputs(path: str | Path) -> PlanInputs:
+    return parse_plan_inputs(read_yaml(path))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content; errors name the file."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise PlanInputError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
-    return parse_plan_inputs(raw)
 
 
 def parse_plan_inputs(raw: Any) -> PlanInputs:

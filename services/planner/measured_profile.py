@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from services.planner.inputs import DecodeProfile, PlanInputError, PlanInputs, PrefillProfile, parse_profiles
+from services.planner.inputs import DecodeProfile, PlanInputError, PlanInputs, PrefillProfile, parse_profiles, read_yaml
 
 FORMAT_VERSION = 1
 TOP_LEVEL_KEYS = ("prfaas_profile", "model", "measured", "engine", "kv_cache", "simulation", "profiles", "prefill",
@@ -43,12 +42,7 @@ class MeasuredProfile:
 
 def load_profile(path: str | Path) -> MeasuredProfile:
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise PlanInputError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
+    raw = read_yaml(path)
     try:
         return parse_profile(raw, str(path))
     except PlanInputError as exc:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from services.planner.profiles import PiecewiseLinear
 from services.scheduling.placement import WorkerView
+from services.simulator.prefill import step_piece
 
 Event = Callable[[float, int], None]
 IDLE, MIXED, DECODING = range(3)
@@ -218,10 +219,7 @@ class ColocatedInstances:
         return -1
 
     def _piece(self, rid: int, budget: float) -> tuple[float, float]:
-        left = self.work[rid] - self.done[rid]
-        if left <= budget:
-            return self.work[rid], budget - left
-        return self.done[rid] + budget, 0.0
+        return step_piece(self.work[rid], self.done[rid], budget)
 
     def _cost(self, rid: int, end: float) -> float:
         latency, start = self.latency, self.done[rid]

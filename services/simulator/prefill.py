@@ -169,11 +169,7 @@ class PrefillCluster:
             self.idle.append(instance)
 
     def _piece(self, rid: int, budget: float) -> tuple[float, float]:
-        """(where ``rid``'s piece of this step ends, the budget left after it)."""
-        left = self.work[rid] - self.done[rid]
-        if left <= budget:
-            return self.work[rid], budget - left
-        return self.done[rid] + budget, 0.0
+        return step_piece(self.work[rid], self.done[rid], budget)
 
     def _cost(self, rid: int, end: float) -> float:
         start = self.done[rid]
@@ -195,6 +191,15 @@ class PrefillCluster:
         self._step(now, instance)
         for rid in finished:
             self.finished(now, rid)
+
+
+def step_piece(work: float, done: float, budget: float) -> tuple[float, float]:
+    """(where a prompt's piece of this step ends, the step's token budget left after it), for a prompt
+    of ``work`` tokens of which ``done`` are prefilled."""
+    left = work - done
+    if left <= budget:
+        return work, budget - left
+    return done + budget, 0.0
 
 
 def _nothing(now: float, rid: int) -> None:

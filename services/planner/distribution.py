@@ -71,7 +71,8 @@ class TruncatedLogNormal:
         if x >= y:
             return 0.0
         s2 = self.sigma * self.sigma
-        return math.exp(self.mu + s2 / 2) * self._mass(x, y, shift=s2) / self.total_mass
+        mass = self._mass(x, y, shift=s2)  # tiny where exp(mu + s2 / 2) is huge: multiply in logs
+        return math.exp(self.mu + s2 / 2 + math.log(mass / self.total_mass)) if mass > 0.0 else 0.0
 
     def cdf(self, x: float) -> float:
         return self.probability(self.lo, x) if x < self.hi else 1.0

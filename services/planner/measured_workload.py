@@ -64,11 +64,7 @@ class MeasuredWorkload:
 def load_workload(path: str | Path) -> MeasuredWorkload:
     """Read and fit a workload file; every problem is a :class:`PlanInputError` naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from None
-    kind, sample = _parse(path, text)
+    kind, sample = read_sample(path)
     try:
         lengths = fit_lengths(sample.input_lengths)
         arrivals = arrival_stats(sample.arrival_times_s)
@@ -77,6 +73,21 @@ def load_workload(path: str | Path) -> MeasuredWorkload:
     outputs = sample.output_lengths
     return MeasuredWorkload(str(path), kind, lengths, statistics.fmean(sample.input_lengths),
                             round(statistics.fmean(outputs)) if outputs else None, arrivals)
+
+
+def read_sample(path: str | Path) -> tuple[str, RequestSample]:
+    """The file's kind (load-generator result or trace) and its requests, in arrival order."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanInputError(f"{path}: cannot read: {exc.strerror}") from None
+    kind, sample = _parse(path, text)
+    order = sorted(range(len(sample.arrival_times_s)), key=sample.arrival_times_s.__getitem__)
+    if order != list(range(len(order))):
+        sample = RequestSample(tuple(sample.arrival_times_s[i] for i in order),
+                               tuple(sample.input_lengths[i] for i in order), sample.output_lengths)
+    return kind, sample
 
 
 def workload_text(measured: dict[str, Any]) -> str:

@@ -37,6 +37,18 @@ class ModulatedArrivals:
             self._state_end = t + expo(1.0 / self._sojourns[self._state])
 
 
+class ReplayedArrivals:
+    """The arrival times of a recorded workload, in order (``next_after`` ignores its argument)."""
+
+    def __init__(self, times: tuple[float, ...]) -> None:
+        self._times, self._next = times, 0
+
+    def next_after(self, t: float) -> float:
+        at = self._times[self._next]
+        self._next += 1
+        return at
+
+
 def make_arrivals(kind: str, rate: float, rng: random.Random, burst_seconds: float = 30.0):
     """``onoff``: on and off periods of mean ``burst_seconds`` each, at twice the mean rate when on.
     ``mmpp``: high (1.6x) and low (0.4x) states of mean ``burst_seconds`` each."""

@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     load.add_argument("--load-factor", type=float,
                       help="offered load as a fraction of the planner's PrfaaS-PD Lambda_max (default 0.9)")
     parser.add_argument("--requests", type=int, default=50_000, help="requests to simulate (default: %(default)s)")
+    parser.add_argument("--replay", action="store_true",
+                        help="with --workload: replay its requests exactly (each arrival time and prompt length) "
+                        "instead of drawing from the fitted distribution; --requests, --rate, --load-factor and "
+                        "--arrivals do not apply (to compare a prediction with the run that recorded the workload)")
     parser.add_argument("--arrivals", choices=("poisson", "onoff", "mmpp"),
                         help="arrival process, all at the same mean rate (default: poisson; with --workload the "
                         "process fitted to its inter-arrival CV). Bursty: 'onoff' alternates on periods at 2x the "
@@ -148,6 +152,12 @@ def _run(args) -> int:
     except (PlanInputError, RuntimeInputError) as exc:
         return _fail(str(exc))
     plan = run_plan(inputs)
+    try:
+        replay = _replay(args)
+    except PlanInputError as exc:
+        return _fail(str(exc))
+    if replay:
+        args.requests, args.rate = len(replay), len(replay) / max(replay[-1][0], 1e-9)
     rate = offered_rate(args, measured, plan.prfaas.lambda_max)
     fill_arrivals(args, measured)
     try:
@@ -162,13 +172,13 @@ def _run(args) -> int:
         except MatplotlibMissing as exc:
             return _fail(str(exc))
     try:
-        results = _simulate_all(args, inputs, plan, rate, trace, runtime)
+        results = _simulate_all(args, inputs, plan, rate, trace, runtime, replay)
     except ValueError as exc:
         return _fail(str(exc))
     out = {**measured, "planner": {"threshold_tokens": plan.prfaas.threshold_tokens, "n_p": plan.prfaas.num_prefill,
                        "n_d": plan.prfaas.num_decode, "lambda_max": plan.prfaas.lambda_max},
            "offered_rate": rate, "load_factor": rate / plan.prfaas.lambda_max,
-           "arrivals": args.arrivals, "mean_length_mode": args.mean_length_mode,
+           "arrivals": "replayed" if replay else args.arrivals, "mean_length_mode": args.mean_length_mode,
            "bandwidth_trace": [list(p) for p in trace], "runtime": asdict(runtime),
            "policies": {r.policy: r.summary() for r in results}}
     if args.compare_mean_length:
@@ -183,7 +193,17 @@ def _run(args) -> int:
     return 0
 
 
-def _simulate_all(args, inputs, plan, rate, trace, runtime):
+def _replay(args) -> tuple[tuple[float, float], ...]:
+    """``--replay``: the workload file's requests as (arrival s, prompt tokens)."""
+    if not args.replay:
+        return ()
+    from services.planner.measured_workload import read_sample
+
+    _, sample = read_sample(args.workload)
+    return tuple(zip(sample.arrival_times_s, map(float, sample.input_lengths)))
+
+
+def _simulate_all(args, inputs, plan, rate, trace, runtime, replay=()):
     from services.simulator.engine import simulate
     from services.simulator.setup import POLICIES, RunSpec, make_controller, topology_for, workload_of
 
@@ -196,7 +216,7 @@ def _simulate_all(args, inputs, plan, rate, trace, runtime):
                        ttft_slo_s=args.ttft_slo, slo_factor=args.slo_factor,
                        observe_interval_s=args.observe_interval,
                        reoptimize_interval_s=args.reoptimize_interval, progress=args.requests >= 200_000,
-                       runtime=runtime)
+                       runtime=runtime, replay=replay)
         controller = make_controller(inputs, plan, headroom=args.headroom) if policy == "adaptive" else None
         results.append(simulate(spec, controller))
     return results
@@ -204,6 +224,9 @@ def _simulate_all(args, inputs, plan, rate, trace, runtime):
 
 def _check_args(args) -> str | None:
     checks = [(args.requests >= 1, "--requests: must be at least 1"),
+              (not args.replay or args.workload, "--replay: needs --workload FILE, whose requests it replays"),
+              (not args.replay or (args.rate is None and args.load_factor is None and args.arrivals is None),
+               "--replay: the workload's own arrivals are replayed; drop --rate, --load-factor and --arrivals"),
               (args.rate is None or args.rate > 0, "--rate: must be positive"),
               (args.load_factor is None or args.load_factor > 0, "--load-factor: must be positive"),
               (args.burst_seconds is None or args.burst_seconds > 0, "--burst-seconds: must be positive"),

@@ -35,7 +35,7 @@ from services.scheduling.congestion import CongestionAwareThreshold
 from services.scheduling.offload import bandwidth_scarce
 from services.scheduling.placement import PromptCache, choose_route
 from services.simulator.admission import SimAdmission
-from services.simulator.arrivals import make_arrivals
+from services.simulator.arrivals import ReplayedArrivals, make_arrivals
 from services.simulator.bandwidth import bandwidth_at
 from services.simulator.colocated import ColocatedInstances
 from services.simulator.decode import DecodePool
@@ -109,7 +109,8 @@ class _Simulation:
                                                   hit.max_fraction - hit.min_fraction) if hit else (0.0, 0.0, 0.0)
         if self.hit_p and runtime.pool_load_gbps and topo.kv_bytes is None:
             raise ValueError("pool loads need KV sizes: no prefill profile of this deployment has kv_size_mib")
-        self.next_arrival_after = make_arrivals(spec.arrivals, spec.rate, rng, spec.burst_seconds).next_after
+        self.next_arrival_after = ReplayedArrivals(tuple(t for t, _ in spec.replay)).next_after if spec.replay \
+            else make_arrivals(spec.arrivals, spec.rate, rng, spec.burst_seconds).next_after
         self.live_threshold = self.threshold
         self.long_mean, self.short_mean = self.class_means(self.threshold) if spec.mean_length_mode else (0.0, 0.0)
         self.next_observe, self.observed_at = 0.0, 0.0
@@ -191,7 +192,7 @@ class _Simulation:
         if self.controller is not None and now >= self.next_observe:
             observe(self, self.controller, now)
         self.arrival_t[rid] = now
-        length, cached = self._draw_length()
+        length, cached = (self.spec.replay[rid][1], 0.0) if self.spec.replay else self._draw_length()
         base = self.controller.base_tokens if self.controller is not None else self.threshold
         cache = PromptCache(length, {"local": cached, "prfaas": cached} if cached else NO_CACHE)
         scarce = bandwidth_scarce(self.live_threshold, base)

@@ -65,6 +65,13 @@ class RunSpec:
     num_samples: int = 1000
     progress: bool = False
     runtime: RuntimeModel = RuntimeModel()
+    replay: tuple[tuple[float, float], ...] = ()  # (arrival s, prompt tokens) per request: a recorded workload
+
+    def __post_init__(self) -> None:
+        if self.replay and len(self.replay) != self.num_requests:
+            raise ValueError(f"a replayed workload of {len(self.replay)} requests cannot run {self.num_requests}")
+        if any(b[0] < a[0] for a, b in zip(self.replay, self.replay[1:])):
+            raise ValueError("a replayed workload's arrival times must not decrease")
 
 
 def deployment_views(topology: Topology) -> tuple[WorkerView, ...]:

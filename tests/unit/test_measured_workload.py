@@ -177,3 +177,15 @@ def test_unreadable_workload_exits_2(tmp_path):
     result = run_cli("plan", "--workload", str(tmp_path / "missing.jsonl"))
     assert result.returncode == 2
     assert "missing.jsonl: cannot read" in result.stderr
+
+
+def test_a_sample_spread_like_a_uniform_fits_a_usable_distribution():
+    """Five lengths spread over a decade: the maximum-likelihood sigma runs off to infinity; the capped
+    fit keeps the sample's moments and every expectation the planner takes stays finite."""
+    from services.planner.distribution import TruncatedLogNormal
+
+    spec = fit_lengths([30_000, 4_000, 60_000, 12_000, 90_000])
+    dist = TruncatedLogNormal.from_spec(spec)
+    assert spec.sigma <= 2 * (math.log(spec.max_tokens) - math.log(spec.min_tokens)) + 1e-9
+    assert 4_000 < dist.mean_above(20_000) <= 90_000.5 and 4_000 <= dist.mean_below(20_000) < 20_000
+    assert math.isfinite(dist.mean)

@@ -165,3 +165,34 @@ def test_simulation_section_and_flags(tmp_path):
         "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")
+
+
+REPLAY = ((0.5, 30_000.0), (0.9, 4_000.0), (1.0, 60_000.0), (7.25, 12_000.0), (7.25, 90_000.0))
+
+
+def test_a_replayed_workload_keeps_each_requests_arrival_and_length(case):
+    spec = replace(spec_for(case, "static", 1.0, len(REPLAY)), replay=REPLAY)
+    result = simulate(spec)
+    assert tuple(result.arrivals) == tuple(t for t, _ in REPLAY)
+    assert result.num_offloaded == sum(1 for _, length in REPLAY if length > spec.threshold_tokens)
+
+
+@pytest.mark.parametrize("replay, message", [(REPLAY[:2], "replayed workload of 2 requests cannot run 5"),
+                                             ((REPLAY[1], REPLAY[0], *REPLAY[2:]), "must not decrease")])
+def test_a_bad_replay_is_refused(case, replay, message):
+    with pytest.raises(ValueError, match=message):
+        replace(spec_for(case, "static", 1.0, len(REPLAY)), replay=replay)
+
+
+def test_replay_flag_replays_the_workload_file(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": t, "input_length": int(n), "output_length": 64}) + "\n"
+                             for t, n in REPLAY))
+    result = run_cli(CASE_STUDY, "--workload", str(trace), "--replay")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["arrivals"] == "replayed" and out["policies"]["static"]["requests"] == len(REPLAY)
+    threshold = out["planner"]["threshold_tokens"]
+    assert out["policies"]["static"]["offloaded_fraction"] == sum(n > threshold for _, n in REPLAY) / len(REPLAY)
+    refused = run_cli(CASE_STUDY, "--replay")
+    assert refused.returncode == 2 and "--replay: needs --workload FILE" in refused.stderr

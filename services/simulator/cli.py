@@ -50,6 +50,9 @@ def register(subparsers) -> None:
                         help='link bandwidth steps "TIME:GBPS,..." or a file of them; TIME may be "33%%" of the run')
     parser.add_argument("--mean-length-mode", action="store_true",
                         help="every request of a class uses its class mean length, as the planner assumes")
+    parser.add_argument("--threshold", type=float, metavar="TOKENS",
+                        help="the static policy's offload threshold, as "
+                        "scheduler.offload_threshold_tokens of a deployment (default: the planner's t)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     slo = parser.add_mutually_exclusive_group()
     slo.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="absolute TTFT SLO")
@@ -211,7 +214,8 @@ def _simulate_all(args, inputs, plan, rate, trace, runtime, replay=()):
     results = []
     for policy in policies:
         spec = RunSpec(policy, topology_for(policy, inputs, plan), workload_of(inputs), rate, args.requests,
-                       plan.prfaas.threshold_tokens, arrivals=args.arrivals, burst_seconds=args.burst_seconds,
+                       plan.prfaas.threshold_tokens if args.threshold is None else args.threshold,
+                       arrivals=args.arrivals, burst_seconds=args.burst_seconds,
                        bandwidth_trace=trace, mean_length_mode=args.mean_length_mode, seed=args.seed,
                        ttft_slo_s=args.ttft_slo, slo_factor=args.slo_factor,
                        observe_interval_s=args.observe_interval,
@@ -224,6 +228,7 @@ def _simulate_all(args, inputs, plan, rate, trace, runtime, replay=()):
 
 def _check_args(args) -> str | None:
     checks = [(args.requests >= 1, "--requests: must be at least 1"),
+              (args.threshold is None or args.threshold >= 0, "--threshold: must not be negative"),
               (not args.replay or args.workload, "--replay: needs --workload FILE, whose requests it replays"),
               (not args.replay or (args.rate is None and args.load_factor is None and args.arrivals is None),
                "--replay: the workload's own arrivals are replayed; drop --rate, --load-factor and --arrivals"),

@@ -194,5 +194,7 @@ def test_replay_flag_replays_the_workload_file(tmp_path):
     assert out["arrivals"] == "replayed" and out["policies"]["static"]["requests"] == len(REPLAY)
     threshold = out["planner"]["threshold_tokens"]
     assert out["policies"]["static"]["offloaded_fraction"] == sum(n > threshold for _, n in REPLAY) / len(REPLAY)
+    fixed = json.loads(run_cli(CASE_STUDY, "--workload", str(trace), "--replay", "--threshold", "50000").stdout)
+    assert fixed["policies"]["static"]["offloaded_fraction"] == sum(n > 50_000 for _, n in REPLAY) / len(REPLAY)
     refused = run_cli(CASE_STUDY, "--replay")
     assert refused.returncode == 2 and "--replay: needs --workload FILE" in refused.stderr

@@ -391,19 +391,24 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def process_figures(pgid: int) -> dict:
-    """RSS (MiB), open fds and threads summed over a service's process group."""
-    rss_kib = fds = threads = 0
+    """RSS (MiB), its private part (RssAnon) and its shared-memory part (RssShmem: the pool arena
+    and KV segments a process has touched, bounded by their sizes), open fds and threads, summed
+    over a service's process group."""
+    kib = dict.fromkeys(("VmRSS", "RssAnon", "RssShmem"), 0)
+    fds = threads = 0
     for pid in group_pids(pgid):
         try:
             for line in open(f"/proc/{pid}/status"):
-                if line.startswith("VmRSS:"):
-                    rss_kib += int(line.split()[1])
-                elif line.startswith("Threads:"):
-                    threads += int(line.split()[1])
+                key, _, value = line.partition(":")
+                if key in kib:
+                    kib[key] += int(value.split()[0])
+                elif key == "Threads":
+                    threads += int(value.split()[0])
             fds += len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
             continue
-    return {"rss_mib": rss_kib / 1024, "fds": fds, "threads": threads}
+    return {"rss_mib": kib["VmRSS"] / 1024, "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
+            "fds": fds, "threads": threads}
 
 
 def sampler(run: Run, deployment: Deployment, stop: threading.Event) -> None:
@@ -504,8 +509,12 @@ def rss_slopes(run: Run) -> dict[str, dict]:
         late = [(t, p) for t, p in steady if t >= (steady[0][0] + steady[-1][0]) / 2] if steady else []
         figures[name] = {"rss_slope_mib_per_h": _slope_per_h(steady),
                          "rss_slope_second_half_mib_per_h": _slope_per_h(late, RSS_MIN_SPAN_S / 2),
-                         "rss_series": [[round(t), round(p["rss_mib"])] for t, p in points[::RSS_SERIES_EVERY]],
+                         "private_slope_second_half_mib_per_h": _slope_per_h(late, RSS_MIN_SPAN_S / 2, "anon_mib"),
+                         "rss_series": [[round(t), round(p["rss_mib"]), round(p.get("anon_mib", 0)),
+                                         round(p.get("shmem_mib", 0))] for t, p in points[::RSS_SERIES_EVERY]],
                          "rss_mib": [round(points[0][1]["rss_mib"]), round(points[-1][1]["rss_mib"])],
+                         "shmem_mib": [round(points[0][1].get("shmem_mib", 0)),
+                                       round(points[-1][1].get("shmem_mib", 0))],
                          "fds": [points[0][1]["fds"], points[-1][1]["fds"]],
                          "threads": [points[0][1]["threads"], points[-1][1]["threads"]],
                          "restarted": any(s["services"].get(name, {}).get("pid") not in (None, last_pid)
@@ -513,11 +522,11 @@ def rss_slopes(run: Run) -> dict[str, dict]:
     return figures
 
 
-def _slope_per_h(points, min_span_s: float = 0.0) -> float | None:
-    """Least-squares RSS slope in MiB/hour; none when fewer than three points or too short a span."""
+def _slope_per_h(points, min_span_s: float = 0.0, key: str = "rss_mib") -> float | None:
+    """Least-squares slope of ``key`` in MiB/hour; none when fewer than three points or too short a span."""
     if len(points) < 3 or points[-1][0] - points[0][0] < (min_span_s or RSS_MIN_SPAN_S):
         return None
-    return round(statistics.linear_regression([t for t, _ in points], [p["rss_mib"] for _, p in points]).slope
+    return round(statistics.linear_regression([t for t, _ in points], [p.get(key, 0.0) for _, p in points]).slope
                  * 3600, 1)
 
 
@@ -629,11 +638,12 @@ def print_table(summary: dict, run: Run) -> None:
     for name, reaction in summary["scheduler_reaction"].items():
         print(f"scheduler on {name}: long prompts moved off the PrfaaS path after {reaction['moved_off_s']} s, "
               f"back {reaction['moved_back_s']} s after recovery")
-    print(f"{'service':12s} {'RSS MiB start/end':>18s} {'slope MiB/h':>12s} {'2nd half':>9s} {'fds':>9s} "
-          f"{'threads':>9s}")
+    print(f"{'service':12s} {'RSS MiB start/end':>18s} {'slope MiB/h':>12s} {'2nd half':>9s} {'private':>8s} "
+          f"{'shmem MiB':>11s} {'fds':>9s} {'threads':>9s}")
     for name, s in summary["services"].items():
         print(f"{name:12s} {s['rss_mib'][0]:>8d}/{s['rss_mib'][1]:<9d} {str(s['rss_slope_mib_per_h']):>12s} "
-              f"{str(s['rss_slope_second_half_mib_per_h']):>9s} "
+              f"{str(s['rss_slope_second_half_mib_per_h']):>9s} {str(s['private_slope_second_half_mib_per_h']):>8s} "
+              f"{s['shmem_mib'][0]:>5d}/{s['shmem_mib'][1]:<5d} "
               f"{s['fds'][0]:>4d}/{s['fds'][1]:<4d} {s['threads'][0]:>4d}/{s['threads'][1]:<4d}"
               f"{'  (restarted: last incarnation)' if s['restarted'] else ''}")
     print(f"KV usage idle before/after the load: {summary['kv_usage_before']} / {summary['kv_usage_after']}")
@@ -691,7 +701,8 @@ def plot(run: Run, path: Path) -> None:
     bottom.set_ylabel(f"long prompts offloaded\n(last {window:.0f} s)")
     bottom.set_ylim(-0.05, 1.05)
     for name, figures in rss_slopes(run).items():
-        memory.plot(*zip(*figures["rss_series"]), label=name)
+        memory.plot([point[0] for point in figures["rss_series"]], [point[1] for point in figures["rss_series"]],
+                    label=name)
     memory.set_ylabel("RSS (MiB, last\nincarnation)")
     memory.legend(loc="lower right", fontsize=7, ncol=3)
     memory.set_xlabel("seconds since the load started (shaded: fault windows)")

@@ -1,0 +1,91 @@
+"""Moves the pieces of a ``LayoutMap`` out of a producer rank's KV cache and into a consumer rank's.
+
+Pure functions over tensors (no I/O). Attention KV travels as ``[blocks, heads, 2 (K, V), block_size,
+head_size]`` in the producer's block size and is re-blocked on the consumer; a conv-state piece as
+``[conv_state_len, channels]`` of one component; a temporal-state piece as ``[heads, *head_shape]``.
+A consumer rank applies a piece it received, then the same payload on each of the piece's replicas.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.kv_connector.layout_map import Piece, chunk_size, token_chunks
+from services.kv_connector.layout_spec import DTYPE_BYTES, AttentionLayer, LinearLayer
+
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
+
+
+def attention_view(cache: torch.Tensor, layer: AttentionLayer, block_size: int) -> torch.Tensor:
+    """vLLM's CPU attention cache ``[blocks, heads, block_size, 2 * head_size]`` as
+    ``[blocks, heads, 2, block_size, head_size]``: each (block, head) holds K of every token, then V
+    (``cpu_attn.py`` views it so); the registered shape's last two dims are not (token, K|V)."""
+    return cache.view(cache.shape[0], layer.kv.num_local_units, 2, block_size, layer.head_size)
+
+
+def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece) -> torch.Tensor:
+    """A contiguous copy of the piece's heads in ``block_ids`` (producer side)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=view.device)
+    return view[:, piece.src_start:piece.src_start + piece.num_units].index_select(0, index)
+
+
+def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload: torch.Tensor, piece: Piece,
+                    first_block: int, src_block_size: int) -> None:
+    """Write ``payload`` (producer blocks from the request's block ``first_block`` on, as
+    ``slice_attention`` made them) into the request's consumer blocks ``block_ids``; ids that are
+    None, and tokens past the last consumer block, are skipped."""
+    dst_block_size = view.shape[3]
+    chunks = [chunk for chunk in token_chunks(first_block, payload.shape[0], src_block_size, dst_block_size)
+              if chunk.dst_block < len(block_ids) and block_ids[chunk.dst_block] is not None]
+    if not chunks:
+        return
+    size = chunk_size(src_block_size, dst_block_size)
+    source = payload.unflatten(3, (src_block_size // size, size))
+    target = view.unflatten(3, (dst_block_size // size, size))
+    src_blocks, src_slots, dst_blocks, dst_slots = (
+        torch.tensor(column, dtype=torch.long, device=view.device)
+        for column in zip(*((c.src_block, c.src_slot, block_ids[c.dst_block], c.dst_slot) for c in chunks)))
+    heads = slice(piece.dst_start, piece.dst_start + piece.num_units)
+    target[dst_blocks, heads, :, dst_slots] = source[src_blocks.to(payload.device), :, :, src_slots.to(payload.device)]
+
+
+def state_page(cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """One state page of a linear-attention layer's cache (vLLM registers raw page bytes) as uint8."""
+    return cache[block_id].view(-1).view(torch.uint8)
+
+
+def conv_state_view(page: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
+    """``[conv_state_len, conv_dim]`` (a transposed view where vLLM stores it as (dim, state_len))."""
+    raw = page[:layer.conv_bytes].view(TORCH_DTYPES[layer.conv_dtype])
+    if layer.conv_layout == "DS":
+        return raw.view(layer.conv_dim, layer.conv_state_len).t()
+    return raw.view(layer.conv_state_len, layer.conv_dim)
+
+
+def temporal_state_view(page: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
+    raw = page[layer.conv_bytes:layer.conv_bytes + layer.temporal_bytes].view(TORCH_DTYPES[layer.temporal_dtype])
+    return raw.view(layer.temporal.num_local_units, *layer.temporal_head_shape)
+
+
+def slice_state(page: torch.Tensor, layer: LinearLayer, piece: Piece) -> torch.Tensor:
+    """A contiguous copy of the piece's part of a producer state page."""
+    return _part_view(page, layer, piece.part, piece.src_start, piece.num_units).contiguous()
+
+
+def write_state(page: torch.Tensor, layer: LinearLayer, piece: Piece, payload: torch.Tensor) -> None:
+    target = _part_view(page, layer, piece.part, piece.dst_start, piece.num_units)
+    target.copy_(payload.reshape(target.shape))
+
+
+def _part_view(page: torch.Tensor, layer: LinearLayer, part: str, start: int, num_units: int) -> torch.Tensor:
+    if part == layer.temporal.name:
+        return temporal_state_view(page, layer)[start:start + num_units]
+    unit_size = next(component.unit_size for component in layer.conv if component.name == part)
+    first = layer.conv_offsets[part] + start * unit_size
+    return conv_state_view(page, layer)[:, first:first + num_units * unit_size]
+
+
+def from_payload(payload: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """A received piece's bytes as a tensor (shares the buffer; the shape as its slice had)."""
+    return torch.frombuffer(payload, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(*shape)

@@ -121,7 +121,8 @@ def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
         kv_links=links, kv_bytes_received=msg.kv_bytes_received, kv_frames_rejected=msg.kv_frames_rejected,
         kv_connections_refused=msg.kv_connections_refused, kv_pool_tokens_loaded=msg.kv_pool_tokens_loaded,
         kv_pool_tokens_stored=msg.kv_pool_tokens_stored, kv_pool_loads_failed=msg.kv_pool_loads_failed,
-        kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected))
+        kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected),
+        layout_spec=msg.layout_spec)
 
 
 def prefill_request_to_proto(request: GenerateInput, kv_target: str) -> pb.PrefillRequest:

@@ -19,6 +19,7 @@ class Engine:
         self._llm = None
         self._stats = EngineStats()
         self._active: set[str] = set()
+        self.layout_spec = b""  # what GetStats announces: the rank-0 LayoutSpec once started, b"" if unknown
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -26,6 +27,7 @@ class Engine:
         self._llm = AsyncLLM.from_engine_args(
             self._engine_args, stat_loggers=[self._stat_logger_factory()]
         )
+        self.layout_spec = announced_layout(self._llm.vllm_config)
         logger.info("engine ready: %s", self._engine_args.model)
 
     @property
@@ -90,6 +92,25 @@ class Engine:
                 pass
 
         return _Recorder
+
+
+def announced_layout(vllm_config: Any) -> bytes:
+    """The engine's rank-0 KV layout, derived from its configs (the worker process has no
+    ``KVCacheConfig``; see ``layout_config``); b"" where it cannot be described, which peers treat as
+    unknown (allowed)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    from services.kv_connector.layout_config import spec_from_config
+
+    model = vllm_config.model_config.served_model_name
+    try:
+        spec = spec_from_config(model, vllm_config, conv_layout=get_conv_state_layout())
+    except (ValueError, AttributeError, TypeError) as error:
+        logger.warning("announcing no KV layout (peers will treat it as unknown): %s", error)
+        return b""
+    logger.info("KV layout: %s, KV dtype %s, TP %d, block sizes %s, %d layers", spec.model, spec.dtype,
+                spec.tp_size, spec.block_sizes, len(spec.layers))
+    return spec.to_bytes()
 
 
 def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):

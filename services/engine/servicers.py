@@ -67,4 +67,5 @@ def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) 
         model=identity.model,
         max_model_len=engine.max_model_len if engine.started else 0,
         grpc_rejected=guard.rejections.snapshot(),
+        layout_spec=engine.layout_spec,
     )

@@ -38,3 +38,9 @@ def test_the_stats_rpc_carries_every_transport_and_pool_figure():
 def test_a_worker_without_connector_telemetry_reports_zeros():
     stats = convert.stats_from_proto(convert.stats_to_proto(EngineStats()))
     assert stats.kv_links == () and stats.kv_bytes_received == 0 and stats.kv_pool_tokens_loaded == 0
+
+
+def test_the_stats_rpc_carries_the_announced_layout():
+    stats = convert.stats_from_proto(convert.stats_to_proto(EngineStats(), layout_spec=b'{"version": 1}'))
+    assert stats.layout_spec == b'{"version": 1}'
+    assert convert.stats_from_proto(convert.stats_to_proto(EngineStats())).layout_spec == b""

@@ -99,8 +99,9 @@ class RouterApp:
 
     async def health(self, request: web.Request) -> web.Response:
         workers = {h.name: h.healthy for h in self.pool.handles}
+        layouts = [pair.as_dict() for pair in self.pool.layouts.pairs]
         ok = self.pool.any_healthy()
-        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers},
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers, "layouts": layouts},
                                  status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

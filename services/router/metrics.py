@@ -134,6 +134,12 @@ class RouterMetrics:
                            "1 for the stage the role balancer sees binding (prefill, decode, none).", ("stage",))
     worker_backoff = Metric(Gauge, "prfaas_router_worker_backoff_seconds",
                             "Current back-off of a worker after failed calls (0: none).", ("worker",))
+    layout_unmappable_pairs = Metric(Gauge, "prfaas_router_layout_unmappable_pairs",
+                                     "Prefill/decode worker pairs whose announced KV layouts cannot map: no KV goes "
+                                     "between them (the reason is logged and listed in /health).")
+    layout_pair_unmappable = Metric(Gauge, "prfaas_router_layout_pair_unmappable",
+                                    "1 while a prefill worker's KV layout cannot map to a decode worker's.",
+                                    ("prefill", "decode"))
     kv_link_goodput = Metric(Gauge, "prfaas_kv_link_goodput_bits_per_second",
                              "Goodput of the last KV transfer from a worker to a peer.", ("worker", "peer"))
     kv_link_rtt = Metric(Gauge, "prfaas_kv_link_rtt_seconds",

@@ -15,6 +15,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.config import RouterConfig, WorkerConfig
 from services.engine import convert
 from services.engine.types import WorkerStats
+from services.router.layouts import LayoutNegotiation
 from services.router.metrics import RouterMetrics
 from services.scheduling.backoff import Backoff, BackoffConfig
 from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
@@ -56,7 +57,17 @@ class WorkerHandle:
     def usable(self, now_s: float) -> bool:
         return self.healthy and self.backoff.available(now_s)
 
-    def view(self, now_s: float) -> WorkerView:
+    @property
+    def feeds_kv(self) -> bool:
+        """May prefill a prompt whose KV streams to another worker (a layout producer)."""
+        return self.prefill is not None
+
+    @property
+    def takes_kv(self) -> bool:
+        """May decode a prompt prefilled elsewhere (a layout consumer)."""
+        return self.decode is not None and self.config.kv_port is not None
+
+    def view(self, now_s: float, cannot_feed: frozenset[str] = frozenset()) -> WorkerView:
         """Draining workers take no new work in either role."""
         return WorkerView(
             name=self.name,
@@ -71,6 +82,7 @@ class WorkerHandle:
             num_running=self.stats.num_running_requests,
             num_waiting=self.stats.num_waiting_requests,
             kv_cache_usage=self.stats.kv_cache_usage,
+            cannot_feed=cannot_feed,
         )
 
 
@@ -85,6 +97,7 @@ class WorkerPool:
         self._clock = clock
         self.kv_high_watermark = kv_high_watermark
         self._handles = {w.name: _connect(w, backoff, flippable, security) for w in workers}
+        self.layouts = LayoutNegotiation(metrics)
         self._poller: asyncio.Task | None = None
         self.on_poll: list[Callable[[], None]] = []
 
@@ -104,7 +117,7 @@ class WorkerPool:
 
     def views(self) -> tuple[WorkerView, ...]:
         now_s = self._clock()
-        return tuple(h.view(now_s) for h in self._handles.values())
+        return tuple(h.view(now_s, self.layouts.refused(h.name)) for h in self._handles.values())
 
     def route(self, incremental_prefill_tokens: int, threshold_tokens: float, exclude: frozenset[str] = frozenset(),
               *, cache: PromptCache | None = None, scarce: bool = False) -> Route | None:
@@ -136,8 +149,15 @@ class WorkerPool:
     async def poll_once(self) -> None:
         """Refresh every worker's health and stats, then run the ``on_poll`` callbacks."""
         await asyncio.gather(*(self._poll(h) for h in self._handles.values()))
+        self.negotiate_layouts()
         for callback in self.on_poll:
             callback()
+
+    def negotiate_layouts(self) -> None:
+        """Judge the layouts the serving workers announced in their last stats (see ``layouts``)."""
+        serving = [h for h in self._handles.values() if h.healthy]
+        self.layouts.update({h.name: h.stats.layout_spec for h in serving if h.feeds_kv},
+                            {h.name: h.stats.layout_spec for h in serving if h.takes_kv})
 
     async def _poll_forever(self) -> None:
         while True:

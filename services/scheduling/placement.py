@@ -4,7 +4,9 @@ Decode worker first, load-aware: fewest requests (in flight, active, running + w
 with KV usage at or above ``kv_high_watermark`` only when no other worker is left (they would
 preempt), then lower KV usage. Then the prefill path from :func:`decide_offload` on the prompt's
 cached prefixes, and the prefill worker cache-affine: the most cached tokens (the router's
-:class:`~services.scheduling.affinity.PrefixAffinity` estimate), least loaded among equals.
+:class:`~services.scheduling.affinity.PrefixAffinity` estimate), least loaded among equals, among
+the prefill workers whose KV layout maps to the decode worker's (``cannot_feed``); with none left,
+the prompt prefills on the decode worker.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class WorkerView:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    cannot_feed: frozenset[str] = frozenset()  # decode workers whose KV layout this worker's cannot map to
 
     @property
     def load(self) -> int:
@@ -88,14 +91,16 @@ def choose_route(workers: tuple[WorkerView, ...], incremental_prefill_tokens: in
     if decode_name is None:
         return None
     decode = next(w for w in workers if w.name == decode_name)
-    prfaas_workers = [w for w in workers if w.prefills and w.cluster == "prfaas" and w.healthy]
+    prfaas_workers = [w for w in workers if w.prefills and w.cluster == "prfaas" and w.healthy
+                      and decode_name not in w.cannot_feed]
     prfaas_available = decode.receives_kv and bool(prfaas_workers)
     decision = decide_offload(cache.num_prompt_tokens, cache.cluster_tokens, threshold_tokens, prfaas_available,
                               scarce)
     if decision.site == "prfaas":
         return _route("prfaas", decode_name, pick_prefill(prfaas_workers, cache.worker_tokens), decision)
     if decode.receives_kv and decode.role == "decode":
-        candidates = [w for w in workers if w.prefills and w.cluster == "local" and w.role == "prefill"]
+        candidates = [w for w in workers if w.prefills and w.cluster == "local" and w.role == "prefill"
+                      and decode_name not in w.cannot_feed]
         if prefill := pick_prefill(candidates, cache.worker_tokens):
             return _route("pd", decode_name, prefill, decision)
     return _route("local", decode_name, None, decision)

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from services.scheduling.offload import CacheTransfer
@@ -92,3 +94,29 @@ def test_pd_prefill_pick_is_cache_affine():
     other = WorkerView("pd-p2", True, role="prefill", generates=False, prefills=True)
     cache = PromptCache(100, {}, {"pd-p2": 64})
     assert choose_route((PD_D, PD_P, other), 100, 1000, cache=cache) == Route("pd", "pd-d", "pd-p2")
+
+
+def refusing(worker: WorkerView, *decode: str) -> WorkerView:
+    return replace(worker, cannot_feed=frozenset(decode))
+
+
+D2 = WorkerView("d2", True, role="both", receives_kv=True, num_in_flight=1)
+
+
+@pytest.mark.parametrize("workers, length, worker_tokens, expected", [
+    # a prefill worker whose layout cannot map to the decode worker's takes none of its prompts
+    ((DECODE, refusing(P1, "d"), P2_BUSY), 5000, {"p1": 4096}, Route("prfaas", "d", "p2")),
+    ((DECODE, refusing(P1, "d"), refusing(P2_BUSY, "d")), 5000, {}, Route("local", "d")),
+    ((DECODE, refusing(PRFAAS, "d")), 5000, {}, Route("local", "d")),
+    # it still feeds the decode workers it maps to
+    ((DECODE, refusing(PRFAAS, "d2")), 5000, {}, Route("prfaas", "d", "p")),
+    ((refusing(PRFAAS, "d"), D2, replace(DECODE, num_in_flight=2)), 5000, {}, Route("prfaas", "d2", "p")),
+    # the PD path too: with no local prefill worker left the decode worker prefills itself
+    ((PD_D, refusing(PD_P, "pd-d")), 100, {}, Route("local", "pd-d")),
+    ((PD_D, refusing(PD_P, "pd-d"), WorkerView("pd-p2", True, role="prefill", generates=False, prefills=True)), 100,
+     {"pd-p": 64}, Route("pd", "pd-d", "pd-p2")),
+])
+def test_choose_route_skips_prefill_workers_that_cannot_feed_the_decode_worker(workers, length, worker_tokens,
+                                                                             expected):
+    cache = PromptCache(length, {}, worker_tokens)
+    assert choose_route(workers, length, threshold_tokens=1000, cache=cache) == expected

@@ -1,0 +1,141 @@
+"""Layout negotiation on the router: pair verdicts from announced specs, cached by their bytes, logged
+once, exported as gauges, listed in /health, and no prefill routed across an unmappable pair."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from services.config import parse_config
+from services.engine.types import WorkerStats
+from services.kv_connector import layout_map
+from services.router import layouts
+from services.router.app import RouterApp
+from services.router.layouts import LayoutNegotiation, PairVerdict, judge
+from services.router.metrics import RouterMetrics
+from services.router.workers import WorkerPool
+from support.layouts import gdn_model
+
+BF16 = gdn_model(1).to_bytes()
+FP32 = gdn_model(1, dtype="float32").to_bytes()
+WORKERS = [
+    {"name": "d", "service": "decode_worker", "role": "both", "port": 50101, "kv_port": 50102},
+    {"name": "p1", "service": "prefill_worker", "cluster": "prfaas", "port": 50103},
+    {"name": "p2", "service": "prefill_worker", "cluster": "prfaas", "port": 50104},
+]
+
+
+@pytest.mark.parametrize("producer, consumer, verdict, reason", [
+    (BF16, BF16, "mappable", ""),
+    (FP32, BF16, "unmappable", "different KV dtypes: producer float32, consumer bfloat16"),
+    (gdn_model(1, model="other").to_bytes(), BF16, "unmappable", "different models: producer 'other'"),
+    (BF16, gdn_model(2).to_bytes(), "unmappable", "map only by head slicing or re-blocking (TP 1 -> 2"),
+    (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable", "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32]"),
+    (b"", BF16, "unknown", "the prefill worker announces no layout"),
+    (BF16, b"", "unknown", "the decode worker announces no layout"),
+    (BF16, b'{"version": 99}', "unknown", "the decode worker's layout is unreadable here: layout spec version 99"),
+])
+def test_judge(producer, consumer, verdict, reason):
+    got_verdict, got_reason = judge(producer, consumer)
+    assert got_verdict == verdict and reason in got_reason
+
+
+def value(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_pair_is_mapped_once_per_change_of_either_announcement(monkeypatch):
+    calls = []
+
+    def counting(producers, consumers):
+        calls.append((producers[0].dtype, consumers[0].dtype))
+        return layout_map.plan_mapping(producers, consumers)
+
+    monkeypatch.setattr(layouts, "plan_mapping", counting)
+    judge.cache_clear()
+    negotiation = LayoutNegotiation(RouterMetrics())
+    for _ in range(3):
+        negotiation.update({"p1": FP32, "p2": FP32, "p3": BF16}, {"d1": BF16, "d2": BF16})
+    assert sorted(calls) == [("bfloat16", "bfloat16"), ("float32", "bfloat16")]
+    negotiation.update({"p1": BF16}, {"d1": FP32})
+    assert len(calls) == 3
+
+
+def test_an_unmappable_pair_is_logged_once_counted_and_refused(caplog):
+    metrics = RouterMetrics()
+    negotiation = LayoutNegotiation(metrics)
+    with caplog.at_level(logging.INFO, logger="services.router.layouts"):
+        for _ in range(3):
+            negotiation.update({"p1": FP32, "p2": BF16}, {"d": BF16})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["KV layouts of prefill worker p1 and decode worker d do not map: different KV dtypes: "
+                        "producer float32, consumer bfloat16; no KV goes from one to the other (their prompts "
+                        "prefill elsewhere)"]
+    assert negotiation.refused("p1") == {"d"} and negotiation.refused("p2") == frozenset()
+    assert value(metrics, "prfaas_router_layout_unmappable_pairs") == 1
+    assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p1", decode="d") == 1
+    assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p2", decode="d") == 0
+
+    negotiation.update({"p2": BF16}, {"d": BF16})  # p1 unreachable: its verdict stands
+    assert negotiation.refused("p1") == {"d"}
+    negotiation.update({"p1": BF16}, {"d": BF16})  # restarted with the decode worker's layout
+    assert negotiation.refused("p1") == frozenset()
+    assert value(metrics, "prfaas_router_layout_unmappable_pairs") == 0
+    assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p1", decode="d") == 0
+    assert negotiation.pairs == (PairVerdict("p1", "d", "mappable"), PairVerdict("p2", "d", "mappable"))
+
+
+def test_an_unknown_pair_is_allowed_and_logged_once(caplog):
+    negotiation = LayoutNegotiation(RouterMetrics())
+    with caplog.at_level(logging.INFO, logger="services.router.layouts"):
+        negotiation.update({"p1": b""}, {"d": BF16})
+        negotiation.update({"p1": b""}, {"d": BF16})
+    assert len(caplog.records) == 1 and "unknown (the prefill worker announces no layout)" in caplog.text
+    assert negotiation.refused("p1") == frozenset()
+
+
+def run_with_pool(body):
+    async def main():
+        config = parse_config({"workers": WORKERS})
+        metrics = RouterMetrics()
+        pool = WorkerPool(config.workers, config.router, metrics)
+        for handle in pool.handles:
+            handle.healthy = True
+        try:
+            return await body(pool, metrics)
+        finally:
+            await pool.close()
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("announced, path, prefill", [
+    ({"d": BF16, "p1": BF16, "p2": BF16}, "prfaas", "p1"),
+    ({"d": BF16, "p1": FP32, "p2": BF16}, "prfaas", "p2"),
+    ({"d": BF16, "p1": FP32, "p2": FP32}, "local", None),
+    ({"d": BF16, "p1": b"", "p2": FP32}, "prfaas", "p1"),   # unknown: allowed
+])
+def test_the_pool_routes_no_prefill_across_an_unmappable_pair(announced, path, prefill):
+    async def body(pool, metrics):
+        for handle in pool.handles:
+            handle.stats = WorkerStats(layout_spec=announced[handle.name])
+        pool.negotiate_layouts()
+        return pool.route(5000, threshold_tokens=1000)
+    route = run_with_pool(body)
+    assert (route.path, route.decode, route.prefill) == (path, "d", prefill)
+
+
+def test_health_lists_every_pair_with_its_verdict():
+    async def body(pool, metrics):
+        for handle in pool.handles:
+            handle.stats = WorkerStats(layout_spec=FP32 if handle.name == "p1" else BF16)
+        pool.negotiate_layouts()
+        app = RouterApp(model_name="m", max_model_len=2048, api_keys=frozenset(), tokenizer=None, pool=pool,
+                        dispatcher=None, metrics=metrics)
+        return json.loads((await app.health(None)).body)
+    health = run_with_pool(body)
+    assert health["layouts"] == [
+        {"prefill": "p1", "decode": "d", "verdict": "unmappable",
+         "reason": "different KV dtypes: producer float32, consumer bfloat16"},
+        {"prefill": "p2", "decode": "d", "verdict": "mappable", "reason": ""}]

@@ -72,6 +72,9 @@ class WorkerConfig:
         None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
         "probes); it tells whether the worker is SERVING and nothing else. Null: health on `port` only.")
     engine: dict[str, object] = _opt({}, "Per-worker overrides of the top-level `engine` keys.")
+    dtype: str | None = _opt(None, "Overrides `model.dtype` for this worker's engine. A prefill worker and a decode "
+                             "worker whose KV dtypes differ exchange no KV: the router refuses the pair (see "
+                             "`/health` `layouts`) and prefills its prompts elsewhere. Null: `model.dtype`.")
     env: dict[object, object] = _opt({}, "Environment variables set in the worker process before its engine "
                                      "starts (e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their "
                                      "own cores).")
@@ -323,6 +326,11 @@ class DeploymentConfig:
                 return pool
         raise ConfigError(f"no cache pool named {name!r} (configured: "
                           f"{', '.join(p.name for p in self.cache_pools) or 'none'})")
+
+    def model_for(self, worker: WorkerConfig) -> ModelConfig:
+        from dataclasses import replace
+
+        return self.model if worker.dtype is None else replace(self.model, dtype=worker.dtype)
 
     def engine_for(self, worker: WorkerConfig) -> EngineConfig:
         from dataclasses import replace

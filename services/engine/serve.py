@@ -61,7 +61,7 @@ async def serve_worker(
     server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    engine = Engine(engine_args(config.model, config.engine_for(worker),
+    engine = Engine(engine_args(config.model_for(worker), config.engine_for(worker),
                                 kv_transfer_config=kv_transfer_config(config, worker)))
     service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
     address = f"{worker.host}:{worker.port}"

@@ -47,6 +47,14 @@ def test_per_worker_engine_overrides_apply_only_to_that_worker():
     assert config.engine_for(config.worker("d1")).max_num_seqs == config.engine.max_num_seqs
 
 
+def test_a_worker_dtype_overrides_the_models_for_that_worker_only():
+    config = parse_config({"workers": [{**VALID_WORKER, "dtype": "bfloat16"}, {**VALID_WORKER, "name": "d1",
+                                                                              "port": 50072}],
+                           "model": {"dtype": "float32"}})
+    assert config.model_for(config.worker("d0")).dtype == "bfloat16"
+    assert config.model_for(config.worker("d1")) == config.model
+
+
 def test_whole_prompt_steps_are_accepted_when_a_step_holds_the_longest_prompt():
     config = parse_config({"workers": [VALID_WORKER], "model": {"max_model_len": 2048},
                            "engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}})

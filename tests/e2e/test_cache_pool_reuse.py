@@ -184,6 +184,7 @@ def _stream_from_pd_a_to_pd_b(deployment, prompt: list[int]) -> list[pb.Generate
 HYBRID = "tiny-qwen3-next"
 HYBRID_BLOCK = 256  # vLLM raises the attention block to the GDN state's page size (either mode)
 HYBRID_BUDGET = 512  # A's chunks end, and its states are stored, at 512 and 1024 only
+SHORT_SUFFIX = 3
 
 
 def _random_tokens(length: int, seed: int) -> list[int]:
@@ -194,8 +195,10 @@ def _random_tokens(length: int, seed: int) -> list[int]:
 def _hybrid_prompts() -> dict[str, list[int]]:
     base = _random_tokens(1200, seed=1)
     return {"a": base,
-            # shares 1024 tokens: the blocks before it and the state at 1024 (a chunk end of A)
-            "on_state": base[:1024] + _random_tokens(100, seed=2),
+            # shares 1024 tokens: the blocks before it and the state at 1024 (a chunk end of A). The
+            # suffix is short because the GDN gates decay: after ~100 more tokens a wrong loaded state
+            # (stale or empty) no longer changes the answer, and the test could not see it.
+            "on_state": base[:1024] + _random_tokens(SHORT_SUFFIX, seed=2),
             # shares 800 tokens: the blocks up to 768, but A stored no state at 768: falls back to 512
             "between_states": base[:800] + _random_tokens(150, seed=3),
             # streamed from pd-a to pd-b: 512 tokens received (one chunk of pd-a), the last computed

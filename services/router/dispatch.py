@@ -95,7 +95,10 @@ class Dispatcher:
             decode.num_in_flight += 1
             decode.num_committed_tokens += num_committed
             queued = self._enqueue(route.path, num_tokens)
+            acquired = False
             try:
+                await decode.streams.acquire()  # a stream below the worker's limit (see WorkerHandle.streams)
+                acquired = True
                 call, first = await self._start(request, route, decode)
                 if first is None:
                     continue
@@ -108,6 +111,8 @@ class Dispatcher:
                     yield convert.delta_from_proto(message)
                 return
             finally:
+                if acquired:
+                    decode.streams.release()
                 decode.num_in_flight -= 1
                 decode.num_committed_tokens -= num_committed
                 if queued:
@@ -155,12 +160,18 @@ class Dispatcher:
     async def _start_with_handoff(self, request: GenerateInput, route: Route, decode: WorkerHandle):
         """The decode worker waits for KV that the prefill worker streams to it."""
         prefill = self._pool.handle(route.prefill)
-        self._metrics.routed.labels(route.path).inc()
-        consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
-        call = decode.decode.Generate(convert.generate_input_to_proto(consumer), timeout=self._config.request_timeout_s)
-        prefill_call = prefill.prefill.Prefill(
-            convert.prefill_request_to_proto(request, decode.kv_address), timeout=self._config.request_timeout_s)
-        prefill_task = asyncio.ensure_future(prefill_call)
+        await prefill.streams.acquire()  # released when the prefill call ends (_prefill_done)
+        try:
+            self._metrics.routed.labels(route.path).inc()
+            consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
+            call = decode.decode.Generate(convert.generate_input_to_proto(consumer),
+                                          timeout=self._config.request_timeout_s)
+            prefill_call = prefill.prefill.Prefill(
+                convert.prefill_request_to_proto(request, decode.kv_address), timeout=self._config.request_timeout_s)
+            prefill_task = asyncio.ensure_future(prefill_call)
+        except BaseException:
+            prefill.streams.release()
+            raise
         prefill.num_in_flight += 1
         prefill_task.add_done_callback(lambda task: self._prefill_done(task, request.request_id, prefill))
         try:
@@ -175,6 +186,7 @@ class Dispatcher:
 
     def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle) -> None:
         prefill.num_in_flight -= 1
+        prefill.streams.release()
         _log_prefill_outcome(task, request_id, prefill.name)
         if task.cancelled():
             return

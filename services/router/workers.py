@@ -23,6 +23,8 @@ from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
+STREAMS_RESERVED = 8  # of a worker's gRPC stream limit, kept for health, stats and cache lookups
+
 
 @dataclass(slots=True)
 class WorkerHandle:
@@ -39,6 +41,10 @@ class WorkerHandle:
     num_in_flight: int = 0
     num_committed_tokens: int = 0
     stats: WorkerStats = field(default_factory=WorkerStats)  # the last GetStats answer, converted
+    # Request streams (Generate, Prefill) open at once on the channel, below the worker's stream limit:
+    # past that limit the worker refuses new streams (UNAVAILABLE) and its health checks fail with them,
+    # so a request waits here for a stream instead.
+    streams: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     @property
     def name(self) -> str:
@@ -200,4 +206,5 @@ def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, secu
         health=health_pb2_grpc.HealthStub(channel),
         backoff=Backoff(backoff),
         role=worker.role,
+        streams=asyncio.Semaphore(max(1, security.max_concurrent_streams - STREAMS_RESERVED)),
     )

@@ -110,8 +110,7 @@ def held_by_sends(topology: Topology, runtime: RuntimeModel) -> Topology:
     ``send_holds_instance``); ``topology`` itself otherwise."""
     if not runtime.send_holds_instance or topology.prfaas_latency is None or topology.prfaas_kv_bytes is None:
         return topology
-    held = PrefillThenSend(topology.prfaas_latency, topology.prfaas_kv_bytes,
-                           runtime.link_bytes_per_s(topology.link_gbps))
+    held = PrefillThenSend(topology.prfaas_latency, topology.prfaas_kv_bytes, runtime.link_bytes_per_s(topology.link_gbps))
     return replace(topology, prfaas_latency=held)  # type: ignore[arg-type]
 
 

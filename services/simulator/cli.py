@@ -101,10 +101,6 @@ def _add_runtime_arguments(parser) -> None:
     group.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
                        help="stream each layer's KV while later layers compute, so only the transfer time beyond "
                        "the prefill is exposed (default: off, KV sent after the prefill)")
-    group.add_argument("--send-holds-instance", action=argparse.BooleanOptionalAction, default=None,
-                       help="a PrfaaS prefill instance stays busy until its KV has left at the link's rate (its "
-                       "sender shares the compute cores, as measured on CPU prefill workers); implies the layer-wise "
-                       "overlap for the link (default: off, sending costs the instance nothing)")
     group.add_argument("--pool-load-gbps", type=float, metavar="GBPS",
                        help="how fast a prefill instance loads a cache-pool hit (workload.prefix_hit), "
                        "asynchronously while it computes other requests; 0: loads take no time "
@@ -132,7 +128,6 @@ def _add_runtime_arguments(parser) -> None:
 
 
 RUNTIME_FLAGS = ("chunk_tokens", "link_rtt_ms", "connections", "connection_window_bytes", "layerwise",
-                 "send_holds_instance",
                  "pool_load_gbps", "per_instance", "local_both", "admission", "max_in_flight", "admission_ttft_slo_s")
 
 
@@ -287,8 +282,6 @@ def _describe_runtime(runtime: dict) -> str:
     link = (f"{runtime['link_rtt_ms']:g} ms RTT, {runtime['connections']} connections x "
             f"{runtime['connection_window_bytes']:,} B window" if runtime["link_rtt_ms"] else "no link RTT")
     send = "layer-wise KV streaming" if runtime["layerwise"] else "KV sent after prefill"
-    if runtime["send_holds_instance"]:
-        send += ", sends hold the prefill instance"
     load = f"pool loads at {runtime['pool_load_gbps']:g} Gbps" if runtime["pool_load_gbps"] else "pool loads free"
     return ", ".join((prefill, link, send, load, _describe_dispatch(runtime)))
 

@@ -45,7 +45,7 @@ from services.simulator.observe import observe
 from services.simulator.prefill import PrefillCluster
 from services.simulator.results import SimResult, result_of
 from services.simulator.runtime import exposed_transfer_s
-from services.simulator.setup import RunSpec, colocated, deployment_views, held_by_sends
+from services.simulator.setup import RunSpec, colocated, deployment_views
 
 (PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED, BOTH_STEP,
  LOADED_BOTH) = range(10)
@@ -63,7 +63,7 @@ def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) 
 
 class _Simulation:
     def __init__(self, spec: RunSpec, controller: CongestionAwareThreshold | None) -> None:
-        self.topo = topo = held_by_sends(colocated(spec.topology, spec.runtime.local_both), spec.runtime)
+        self.topo = topo = colocated(spec.topology, spec.runtime.local_both)
         if spec.policy != "homogeneous" and not topo.num_prfaas:
             raise ValueError(f"policy {spec.policy!r} needs PrfaaS prefill instances")
         if spec.policy in ("homogeneous", "static", "adaptive") and not topo.num_local_prefill + topo.num_both:
@@ -127,7 +127,7 @@ class _Simulation:
         self.local.finished = self.decode.submit
         gbps = bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps)
         self.link = Link(runtime, topo.link_gbps, gbps, LINK, self.heap, self.kv, n)
-        self.layerwise, self.one_way = runtime.layerwise or runtime.send_holds_instance, runtime.one_way_s
+        self.layerwise, self.one_way = runtime.layerwise, runtime.one_way_s
         self.link.sent = self._on_link_sent if self.layerwise or self.one_way else self.decode.submit
         self.prfaas.finished = self._on_prfaas_prefilled
         if self.layerwise:

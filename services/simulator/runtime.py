@@ -16,12 +16,6 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
 - ``layerwise``: the prefill worker streams each layer's KV while later layers compute (as the
   runtime does), so only the part of the transfer that does not fit under the prefill is exposed
   (:func:`exposed_transfer_s`). Off: the KV is sent after the prefill, as the closed form assumes.
-- ``send_holds_instance``: a PrfaaS prefill instance stays busy until its request's KV has left at
-  the link's rate (prefill time plus KV bytes over the rate one transfer gets): its sender shares
-  the compute cores, so streaming hides nothing and the next prefill waits. Measured so on the CPU
-  embedded default (bench/sim_vs_real.py: an idle request's TTFT is its prefill plus its whole
-  transfer); off, the sender costs the instance nothing, as on a GPU host. The link carries the
-  transfer while the instance is held (as with ``layerwise``), so it is not counted twice.
 - ``pool_load_gbps``: how fast a prefill instance loads a cache-pool hit (the prefix given by the
   workload's ``prefix_hit``); 0: loads take no time.
 - ``per_instance``: the router's choice is one instance, not a cluster: every worker is its own
@@ -61,7 +55,6 @@ class RuntimeModel:
     connections: int = CONNECTIONS_PER_PEER
     connection_window_bytes: int = TCP_WMEM_MAX_BYTES - NOTSENT_LOWAT_BYTES
     layerwise: bool = False
-    send_holds_instance: bool = False
     pool_load_gbps: float = 0.0
     per_instance: bool = False
     local_both: int = 0

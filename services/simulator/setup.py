@@ -93,27 +93,6 @@ def colocated(topology: Topology, num_both: int) -> Topology:
     return replace(topology, num_local_prefill=0, num_decode=0, num_both=num_both)
 
 
-@dataclass(frozen=True)
-class PrefillThenSend:
-    """A prefill instance's busy time when its sends hold it: the prefill, then its KV at ``bytes_per_s``."""
-
-    latency: PiecewiseLinear
-    kv_bytes: PiecewiseLinear
-    bytes_per_s: float
-
-    def __call__(self, tokens: float) -> float:
-        return self.latency(tokens) + self.kv_bytes(tokens) / self.bytes_per_s
-
-
-def held_by_sends(topology: Topology, runtime: RuntimeModel) -> Topology:
-    """``topology`` whose PrfaaS prefill instances stay busy until their KV has left (``runtime``'s
-    ``send_holds_instance``); ``topology`` itself otherwise."""
-    if not runtime.send_holds_instance or topology.prfaas_latency is None or topology.prfaas_kv_bytes is None:
-        return topology
-    held = PrefillThenSend(topology.prfaas_latency, topology.prfaas_kv_bytes, runtime.link_bytes_per_s(topology.link_gbps))
-    return replace(topology, prfaas_latency=held)  # type: ignore[arg-type]
-
-
 def workload_of(inputs: PlanInputs) -> Workload:
     return Workload(TruncatedLogNormal.from_spec(inputs.workload.input_length), inputs.workload.output_tokens,
                     inputs.workload.prefix_hit)

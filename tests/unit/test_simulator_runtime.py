@@ -72,21 +72,6 @@ def single_request(case, runtime, gbps=100.0):
     return simulate(spec).ttfts[0], topo.prfaas_latency(mean), topo.prfaas_kv_bytes(mean)
 
 
-@pytest.mark.parametrize("gbps", [100.0, 1.0])
-def test_sends_that_hold_the_instance_expose_the_whole_transfer(case, gbps):
-    runtime = RuntimeModel(send_holds_instance=True)
-    ttft, prefill_s, kv_bytes = single_request(case, runtime, gbps)
-    assert ttft == pytest.approx(prefill_s + kv_bytes / runtime.link_bytes_per_s(gbps))
-
-
-def test_sends_that_hold_the_instance_lower_its_capacity(case):
-    free, held = (simulate(replace(spec_for(case, "naive", 0.5, 2000), runtime=RuntimeModel(layerwise=True,
-                                                                                           send_holds_instance=hold)))
-                  for hold in (False, True))
-    assert held.capacity() < free.capacity()
-    assert held.summary()["ttft_s"]["mean"] > free.summary()["ttft_s"]["mean"]
-
-
 @pytest.mark.parametrize("gbps, layerwise", [(100.0, False), (100.0, True), (1.0, False), (1.0, True)])
 def test_layerwise_streaming_hides_the_transfer_under_the_prefill(case, gbps, layerwise):
     ttft, prefill_s, kv_bytes = single_request(case, RuntimeModel(layerwise=layerwise), gbps)
@@ -176,7 +161,7 @@ def test_simulation_section_and_flags(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["runtime"] == {
         "chunk_tokens": 8192, "link_rtt_ms": 5.0, "connections": 8, "connection_window_bytes": 3 * MIB,
-        "layerwise": True, "send_holds_instance": False, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4, "admission": True,
+        "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4, "admission": True,
         "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")

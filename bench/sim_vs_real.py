@@ -1,0 +1,318 @@
+"""The simulator's prediction against the running system, at three loads.
+
+The embedded default (deploy/local.yaml: the router, ``prefill-0`` in the PrfaaS cluster on CPU 0,
+``decode-0`` with role ``both`` on CPU 1, the embedded SmolLM2), with ``prefill-0`` in a network
+namespace made here behind a link capped at 1 Gbit/s both ways (``tbf`` on a veth pair; with
+``--rtt-ms`` a userspace delay line adds a round trip, tests/support/wan.py, and takes CPU the engines
+need on a small machine). Steps:
+
+1. ``prfaas profile`` measures the engine as ``decode-0`` runs it (cached per point, so a second run
+   reuses it) and the planner's inputs are built from that profile: one PrfaaS prefill instance and
+   one colocated worker, the link's capacity and round trip, the engine's token budget, the KV sent
+   after the prefill (what this CPU deployment does, measured: see ``runtime_model``), the
+   deployment's threshold.
+2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
+3. At each load (a share of the knee: light, near it, past it) the project's load generator
+   (``prfaas bench serve``) runs the real system for ``--seconds`` with Poisson arrivals, and the
+   simulator replays the very requests it sent (``prfaas simulate --replay``: each arrival time and
+   prompt length).
+
+Compared: throughput (completions per second over the arrival window after its first 10%, as the
+simulator counts it), the offloaded fraction (the router's counters against the simulator's
+routing), mean TTFT, and whether the queue grows (requests waiting for their first token, late in
+the window against early: the same function on both sides). Targets: throughput and offloaded
+fraction within 10% at every load, mean TTFT within 25% at the two lower loads, a growing queue on
+both sides at the overload point. Writes ``<out>/sim_vs_real.json`` and ``<out>/sim_vs_real.png``.
+Needs root (namespaces).
+
+    python bench/sim_vs_real.py                     # 120 s per load
+    python bench/sim_vs_real.py --seconds 60 --loads 0.3,0.8,1.5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the project and tests/support on sys.path)
+from support.deployment import Deployment, deployment_config
+from support.netns import available, veth_link
+from support.ports import free_port
+from support.wan import wan_path
+
+LINK_MBIT = 1000.0
+THRESHOLD = 256                 # scheduler.offload_threshold_tokens of the embedded default
+OUTPUT_TOKENS = 16
+LENGTH_SCALE = 0.015            # the paper's log-normal x 0.015: median ~300 tokens, at most 1,966
+LOADS = (0.35, 0.8, 1.5)        # shares of the predicted knee
+WARMUP_REQUESTS = 4
+KNEE_REQUESTS = 20_000
+TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
+GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
+
+
+def make_config() -> dict:
+    """deploy/local.yaml's topology with free ports and ``prefill-0`` reachable in the namespace."""
+    import yaml
+
+    from _common import ROOT
+
+    embedded = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
+    workers = [{key: value for key, value in w.items() if key not in ("port", "kv_port")} for w in embedded["workers"]]
+    for worker in workers:
+        if worker.get("service") == "decode_worker":
+            worker["kv_port"] = free_port()
+    return deployment_config(workers, router={"stats_interval_s": 0.5},
+                             scheduler={"offload_threshold_tokens": THRESHOLD},
+                             transport=embedded.get("transport", {}), engine=embedded.get("engine", {}))
+
+
+def place_prefill(config: dict, link) -> None:
+    for worker in config["workers"]:
+        worker["host"] = link.ns_addr if worker["service"] == "prefill_worker" else link.host_addr
+
+
+# --- the prediction -----------------------------------------------------------------------------------
+
+def profile(config_path: Path, out: Path) -> Path:
+    """``prfaas profile`` of the colocated worker's engine (the point cache makes a rerun quick)."""
+    path = out / "profile.yaml"
+    print("sim_vs_real: profiling the engine (prfaas profile; cached per point) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "services.cli", "profile", "--config", str(config_path), "--worker",
+                    "decode-0", "--output", str(path)], check=True)
+    return path
+
+
+def planner_inputs(profile_path: Path):
+    """The planner's inputs for this deployment: one PrfaaS prefill instance and one local instance
+    (made a colocated worker by the runtime model), the measured profile for both, the link."""
+    from services.planner.inputs import parse_plan_inputs
+    from services.planner.measured_profile import apply_profiles, load_profile
+
+    typed = {"name": "measured", "lengths": [128, 1024], "latency_s": [0.1, 1.0], "kv_size_mib": [1.0, 8.0]}
+    raw = {"model": "smollm2-135m-instruct", "gpus_per_instance": 1,
+           "workload": {"input_length": lognormal_spec(), "output_tokens": OUTPUT_TOKENS,
+                        "slo_tokens_per_second": 20},
+           "profiles": {"prefill": {k: v for k, v in typed.items() if k != "name"},
+                        "decode": {"max_batch_size": 8, "step_time_s": 0.05}},
+           "deployments": {"prfaas_pd": {"prfaas_instances": {"profile": "prefill", "count": 1},
+                                         "local_pd_instances": {"prefill_profile": "prefill",
+                                                                "decode_profile": "decode", "count": 2},
+                                         "cross_cluster_gbps": LINK_MBIT / 1000}}}
+    inputs, _ = apply_profiles(parse_plan_inputs(raw), [(None, load_profile(profile_path))])
+    return inputs
+
+
+def lognormal_spec() -> dict:
+    """The load generator's lognormal dataset (services/loadgen/config.py defaults) scaled by LENGTH_SCALE."""
+    import math
+
+    from services.loadgen.config import WorkloadConfig
+
+    w = WorkloadConfig()
+    return {"distribution": "truncated_lognormal", "mu": w.lognormal_mu + math.log(LENGTH_SCALE),
+            "sigma": w.lognormal_sigma, "min_tokens": w.lognormal_min * LENGTH_SCALE,
+            "max_tokens": w.lognormal_max * LENGTH_SCALE}
+
+
+def runtime_model(inputs, rtt_ms: float):
+    from services.simulator.runtime import parse_runtime
+
+    # layerwise off: measured here, an idle long request's TTFT is its prefill plus its whole transfer,
+    # not the prefill alone as layer-wise streaming gives on a GPU host (the prefill worker's sender
+    # threads share the engine's one core with its busy compute threads, so the KV leaves after it).
+    return parse_runtime(inputs.simulation).with_overrides(
+        {"link_rtt_ms": rtt_ms, "layerwise": False, "local_both": 1, "per_instance": True})
+
+
+def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), seed: int = 0):
+    from services.planner.report import run_plan
+    from services.simulator.setup import RunSpec, topology_for, workload_of
+
+    plan = run_plan(inputs)
+    return RunSpec("static", topology_for("static", inputs, plan), workload_of(inputs), rate, num_requests,
+                   THRESHOLD, seed=seed, runtime=runtime_model(inputs, rtt_ms), replay=tuple(replay))
+
+
+def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
+    """The simulator's capacity (utilization law over its resources) for the workload's distribution."""
+    from services.simulator.engine import simulate
+
+    return simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
+
+
+def predict(inputs, rtt_ms: float, replay) -> dict:
+    from services.simulator.engine import simulate
+
+    rate = len(replay) / max(replay[-1][0], 1e-9)
+    result = simulate(run_spec(inputs, rtt_ms, rate, len(replay), replay))
+    summary = result.summary()
+    ttfts = list(result.ttfts)
+    return {"throughput": summary["throughput"], "offloaded_fraction": summary["offloaded_fraction"],
+            "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(list(result.arrivals), ttfts)}
+
+
+# --- the measurement ------------------------------------------------------------------------------
+
+def measure(deployment: Deployment, rate: float, seconds: float, seed: int, out: Path) -> tuple[dict, list]:
+    """One load-generator run; its figures and the requests it sent as (arrival s, prompt tokens)."""
+    path = out / f"loadgen-{rate:.3f}.json"
+    argv = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", deployment.base_url,
+            "--dataset", "lognormal", "--length-scale", str(LENGTH_SCALE), "--output-len", str(OUTPUT_TOKENS),
+            "--ignore-eos", "--temperature", "0", "--request-rate", f"{rate:.4f}", "--duration", str(seconds),
+            "--warmup", str(WARMUP_REQUESTS), "--seed", str(seed), "--result-file", str(path), "--no-progress"]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads(path.read_text())
+    ok = [i for i, status in enumerate(result["statuses"]) if status == 200]
+    if len(ok) != len(result["statuses"]):
+        raise SystemExit(f"sim_vs_real: {len(result['statuses']) - len(ok)} requests failed at {rate:.3f} req/s "
+                         f"(see {path})")
+    starts, ttfts, e2els = result["start_times"], result["ttfts"], result["e2els"]
+    lengths = [used or asked for used, asked in zip(result["usage_prompt_tokens"], result["input_lens"])]
+    first = min(starts)
+    arrivals = [s - first for s in starts]
+    window = max(arrivals)
+    begin = 0.1 * window
+    done = sum(1 for a, e in zip(arrivals, e2els) if begin < a + e <= window)
+    router = result.get("router_metrics") or {}
+    measured = {"throughput": done / (window - begin), "offloaded_fraction": router.get("offloaded_fraction"),
+                "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(arrivals, ttfts),
+                "requests": len(starts), "rate": len(starts) / window}
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    return measured, [(arrivals[i], float(lengths[i])) for i in order]
+
+
+def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
+    """Mean number of requests waiting for their first token over the last quarter of the arrival
+    window, minus over its second quarter."""
+    window = max(arrivals)
+
+    def mean_waiting(start: float, end: float, points: int = 200) -> float:
+        times = [start + (end - start) * (i + 0.5) / points for i in range(points)]
+        return statistics.fmean(sum(1 for a, t in zip(arrivals, ttfts) if a <= x < a + t) for x in times)
+
+    return mean_waiting(0.75 * window, window) - mean_waiting(0.25 * window, 0.5 * window)
+
+
+# --- the verdict ------------------------------------------------------------------------------------
+
+def compare(rows: list[dict]) -> tuple[float, list[str]]:
+    """The worst ratio of error to its target (<= 1 passes) and what failed."""
+    worst, failures = 0.0, []
+    for index, row in enumerate(rows):
+        real, sim = row["measured"], row["predicted"]
+        keys = ["throughput", "offloaded_fraction"] + (["ttft_mean"] if index < len(rows) - 1 else [])
+        for key in keys:
+            error = abs(sim[key] - real[key]) / real[key] if real[key] else abs(sim[key])
+            row.setdefault("errors", {})[key] = error
+            worst = max(worst, error / TARGETS[key])
+            if error > TARGETS[key]:
+                failures.append(f"{key} at {row['share']:.2f}x the knee: predicted {sim[key]:.3f}, measured "
+                                f"{real[key]:.3f} ({error:.0%} off, target {TARGETS[key]:.0%})")
+    last = rows[-1]
+    for side in ("measured", "predicted"):
+        if last[side]["queue_growth"] < GROWING:
+            failures.append(f"overload: the {side} queue does not grow ({last[side]['queue_growth']:+.1f} requests)")
+    return worst, failures
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'load':>14} {'rate':>6} | {'throughput req/s':^19} | {'offloaded':^13} | {'mean TTFT s':^15} | "
+             f"{'queue growth':^13}",
+             f"{'':>14} {'req/s':>6} | {'real':>9} {'sim':>9} | {'real':>6} {'sim':>6} | {'real':>7} {'sim':>7} | "
+             f"{'real':>6} {'sim':>6}"]
+    for row in rows:
+        real, sim = row["measured"], row["predicted"]
+        lines.append(f"{row['share']:>6.2f}x knee {real['rate']:>6.3f} | {real['throughput']:>9.3f} "
+                     f"{sim['throughput']:>9.3f} | {real['offloaded_fraction']:>6.3f} "
+                     f"{sim['offloaded_fraction']:>6.3f} | {real['ttft_mean']:>7.3f} {sim['ttft_mean']:>7.3f} | "
+                     f"{real['queue_growth']:>+6.1f} {sim['queue_growth']:>+6.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(13, 4))
+    rates = [row["measured"]["rate"] for row in rows]
+    for axis, key, title in zip(axes, ("throughput", "offloaded_fraction", "ttft_mean"),
+                                ("throughput (req/s)", "offloaded fraction", "mean TTFT (s)")):
+        axis.plot(rates, [row["measured"][key] for row in rows], "o-", label="measured")
+        axis.plot(rates, [row["predicted"][key] for row in rows], "s--", label="simulated")
+        axis.set_xlabel("offered load (req/s)")
+        axis.set_title(title)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="load per point, seconds (default: 120)")
+    parser.add_argument("--loads", default=",".join(map(str, LOADS)),
+                        help="shares of the predicted knee, light to overload (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default: 0)")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="round trip added by a userspace delay line (default: 0, a veth pair with only "
+                        "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
+    parser.add_argument("--out", type=Path, default=Path("sim_vs_real"), help="output directory")
+    args = parser.parse_args(argv)
+    args.shares = [float(x) for x in args.loads.split(",")]
+    if len(args.shares) < 2 or args.seconds < 20:
+        parser.error("--loads: need at least two shares (the last is the overload point); --seconds at least 20")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if (reason := available()) is not None:
+        sys.exit(f"sim_vs_real: {reason}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = make_config()
+    path = wan_path(LINK_MBIT, args.rtt_ms, subnet="10.213.91") if args.rtt_ms else \
+        veth_link("10.213.91", LINK_MBIT, side="host")
+    with path as link:
+        link.set_rate(LINK_MBIT, side="ns", action="replace" if args.rtt_ms else "add")  # the KV direction too
+        place_prefill(config, link)
+        deployment = Deployment(config, args.out, prefixes={"prefill-0": link.exec_argv([])})
+        deployment.config_path.write_text(__import__("yaml").safe_dump(config))
+        inputs = planner_inputs(profile(deployment.config_path, args.out))
+        knee = predicted_knee(inputs, args.rtt_ms, args.seed)
+        print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
+              f"{args.seconds:g} s each", flush=True)
+        print("sim_vs_real: starting the deployment ...", flush=True)
+        deployment.start()
+        rows = []
+        try:
+            for share in args.shares:
+                started = time.monotonic()
+                measured, replay = measure(deployment, share * knee, args.seconds, args.seed, args.out)
+                predicted = predict(inputs, args.rtt_ms, replay)
+                rows.append({"share": share, "offered_rate": share * knee, "measured": measured,
+                             "predicted": predicted})
+                print(f"sim_vs_real: {share:g}x the knee done in {time.monotonic() - started:.0f} s", flush=True)
+        finally:
+            deployment.stop()
+    worst, failures = compare(rows)
+    (args.out / "sim_vs_real.json").write_text(json.dumps(
+        {"knee_req_s": knee, "targets": TARGETS, "runtime": str(runtime_model(inputs, args.rtt_ms)), "rows": rows},
+        indent=2))
+    plot(rows, args.out / "sim_vs_real.png")
+    print(table(rows))
+    for failure in failures:
+        print("FAIL:", failure)
+    verdict = "PASS" if not failures else "FAIL"
+    print(f"sim_vs_real: worst error {worst:.2f}x its target (throughput and offload within 10%, mean TTFT within "
+          f"25% at the lower loads, a growing queue past the knee): {verdict}")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

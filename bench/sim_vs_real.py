@@ -78,12 +78,12 @@ def place_prefill(config: dict, link) -> None:
 
 # --- the prediction -----------------------------------------------------------------------------------
 
-def profile(config_path: Path, out: Path) -> Path:
+def profile(config_path: Path, out: Path, quick: bool = False) -> Path:
     """``prfaas profile`` of the colocated worker's engine (the point cache makes a rerun quick)."""
     path = out / "profile.yaml"
     print("sim_vs_real: profiling the engine (prfaas profile; cached per point) ...", flush=True)
     subprocess.run([sys.executable, "-m", "services.cli", "profile", "--config", str(config_path), "--worker",
-                    "decode-0", "--output", str(path)], check=True)
+                    "decode-0", "--output", str(path), *(["--quick"] if quick else [])], check=True)
     return path
 
 
@@ -263,6 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
     parser.add_argument("--out", type=Path, default=Path("sim_vs_real"), help="output directory")
+    parser.add_argument("--quick", action="store_true",
+                        help="profile with `prfaas profile --quick` (prompts up to 1,024 tokens, extrapolated)")
     args = parser.parse_args(argv)
     args.shares = [float(x) for x in args.loads.split(",")]
     if len(args.shares) < 2 or args.seconds < 20:
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
         place_prefill(config, link)
         deployment = Deployment(config, args.out, prefixes={"prefill-0": link.exec_argv([])})
         deployment.config_path.write_text(__import__("yaml").safe_dump(config))
-        inputs = planner_inputs(profile(deployment.config_path, args.out))
+        inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick))
         knee = predicted_knee(inputs, args.rtt_ms, args.seed)
         print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
               f"{args.seconds:g} s each", flush=True)

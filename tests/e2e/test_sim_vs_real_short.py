@@ -1,0 +1,34 @@
+"""bench/sim_vs_real.py in short (two loads of 20 s, the quick profile), so the benchmark cannot rot.
+
+Not its targets (20 s of load is too little for them), but what must hold at any length: the router
+and the simulator route the very same requests, so their offloaded fractions are equal; below the
+knee both complete requests as fast as they arrive; past it both queues grow.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.netns import available
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
+def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20", "--loads",
+                          "0.3,2.0", "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1].startswith("sim_vs_real: worst error")
+    rows = json.loads((tmp_path / "sim_vs_real.json").read_text())["rows"]
+    assert len(rows) == 2 and (tmp_path / "sim_vs_real.png").exists()
+    for row in rows:
+        real, sim = row["measured"], row["predicted"]
+        assert sim["offloaded_fraction"] == pytest.approx(real["offloaded_fraction"], abs=1e-9), row
+    light, overload = rows
+    for side in ("measured", "predicted"):
+        assert light[side]["throughput"] == pytest.approx(light["measured"]["rate"], rel=0.25), light
+        assert overload[side]["queue_growth"] > 0, overload

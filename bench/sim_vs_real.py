@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 from support.deployment import Deployment, deployment_config
 from support.netns import available, veth_link
@@ -57,8 +59,6 @@ GROWING = 1.0                   # requests: mean queue late in the window minus 
 
 def make_config() -> dict:
     """deploy/local.yaml's topology with free ports and ``prefill-0`` reachable in the namespace."""
-    import yaml
-
     from _common import ROOT
 
     embedded = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
@@ -93,11 +93,11 @@ def planner_inputs(profile_path: Path):
     from services.planner.inputs import parse_plan_inputs
     from services.planner.measured_profile import apply_profiles, load_profile
 
-    typed = {"name": "measured", "lengths": [128, 1024], "latency_s": [0.1, 1.0], "kv_size_mib": [1.0, 8.0]}
+    placeholder = {"lengths": [128, 1024], "latency_s": [0.1, 1.0], "kv_size_mib": [1.0, 8.0]}  # replaced below
     raw = {"model": "smollm2-135m-instruct", "gpus_per_instance": 1,
            "workload": {"input_length": lognormal_spec(), "output_tokens": OUTPUT_TOKENS,
                         "slo_tokens_per_second": 20},
-           "profiles": {"prefill": {k: v for k, v in typed.items() if k != "name"},
+           "profiles": {"prefill": placeholder,
                         "decode": {"max_batch_size": 8, "step_time_s": 0.05}},
            "deployments": {"prfaas_pd": {"prfaas_instances": {"profile": "prefill", "count": 1},
                                          "local_pd_instances": {"prefill_profile": "prefill",
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
         link.set_rate(LINK_MBIT, side="ns", action="replace" if args.rtt_ms else "add")  # the KV direction too
         place_prefill(config, link)
         deployment = Deployment(config, args.out, prefixes={"prefill-0": link.exec_argv([])})
-        deployment.config_path.write_text(__import__("yaml").safe_dump(config))
+        deployment.config_path.write_text(yaml.safe_dump(config))
         inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick))
         knee = predicted_knee(inputs, args.rtt_ms, args.seed)
         print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "

@@ -52,6 +52,10 @@ def _check_workers(config: DeploymentConfig) -> None:
             raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")
         overridden = {"max_num_batched_tokens", "enable_chunked_prefill"} & set(worker.engine)
         _check_whole_prompt_steps(config, config.engine_for(worker), f"workers[{i}].engine" if overridden else "engine")
+        block_size = config.engine_for(worker).block_size
+        if block_size is not None and (type(block_size) is not int or block_size < 1):
+            where = f"workers[{i}].engine" if "block_size" in worker.engine else "engine"
+            raise ConfigError(f"{where}.block_size: {block_size!r} is not a positive number of tokens")
 
 
 def _check_whole_prompt_steps(config: DeploymentConfig, engine: EngineConfig, where: str) -> None:

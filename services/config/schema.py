@@ -45,6 +45,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "Tokens per engine step (chunked-prefill budget); vLLM's "
                                               "default when null.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
+    block_size: int | None = _opt(None, "Tokens per KV-cache block (vLLM's `block_size`); null: vLLM's default "
+                                  "(128 on CPU hosts, where it must be a multiple of 32). A prefill worker and a "
+                                  "decode worker may use different sizes: the decode worker re-blocks what it "
+                                  "receives (vLLM's CPU engines; see docs/deployment.md).")
     enable_chunked_prefill: bool = _opt(True, "Split a prompt across engine steps when the step's token budget "
                                         "is short (vLLM's chunked prefill). Off: each prompt is prefilled "
                                         "in one step, so `max_num_batched_tokens` must be at least "

@@ -120,6 +120,7 @@ def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         enable_prefix_caching=engine.enable_prefix_caching,
+        block_size=engine.block_size,
         enable_chunked_prefill=engine.enable_chunked_prefill,
         seed=engine.seed,
         kv_transfer_config=kv_transfer_config,

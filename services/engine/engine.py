@@ -101,10 +101,12 @@ def announced_layout(vllm_config: Any) -> bytes:
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
     from services.kv_connector.layout_config import spec_from_config
+    from services.kv_connector.layout_vllm import with_cache_layout
 
     model = vllm_config.model_config.served_model_name
     try:
-        spec = spec_from_config(model, vllm_config, conv_layout=get_conv_state_layout())
+        spec = with_cache_layout(spec_from_config(model, vllm_config, conv_layout=get_conv_state_layout()),
+                                 getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     except (ValueError, AttributeError, TypeError) as error:
         logger.warning("announcing no KV layout (peers will treat it as unknown): %s", error)
         return b""

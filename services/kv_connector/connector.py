@@ -7,6 +7,7 @@ Settings come from ``kv_connector_extra_config`` (see ``settings.ConnectorSettin
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,7 +26,11 @@ from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
+from services.kv_connector.layout_spec import LayoutSpec
+from services.kv_connector.layout_vllm import spec_from_vllm, with_cache_layout
 from services.logs import setup_package_logging
+
+logger = logging.getLogger(__name__)
 
 
 class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
@@ -78,7 +83,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = KVLayout(self._kv_cache_config, kv_caches)
-        self.worker.register_kv_caches(layout)
+        self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
         if self.pool_worker is not None:
             self.pool_worker.layout = layout
 
@@ -137,3 +142,21 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         if self.pool_io is not None:
             self.pool_io.close()
+
+
+def rank_spec(vllm_config, kv_cache_config, layer_names: list[str]) -> LayoutSpec | None:
+    """This worker rank's ``LayoutSpec``, from the engine's real ``KVCacheConfig``; None (receive
+    only from identical layouts) where it cannot be described."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    model_config = vllm_config.model_config
+    try:
+        spec = spec_from_vllm(model_config.served_model_name, kv_cache_config, layer_names,
+                              get_tensor_model_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size,
+                              model_config.get_total_num_kv_heads(), conv_layout=get_conv_state_layout())
+        return with_cache_layout(spec, vllm_config.cache_config.cache_dtype)
+    except (ValueError, AttributeError, TypeError) as error:
+        logger.warning("this worker's KV layout has no description (it receives KV only from identical "
+                       "layouts): %s", error)
+        return None

@@ -1,7 +1,8 @@
 """Moves the pieces of a ``LayoutMap`` out of a producer rank's KV cache and into a consumer rank's.
 
-Pure functions over tensors (no I/O). Attention KV travels as ``[blocks, heads, 2 (K, V), block_size,
-head_size]`` in the producer's block size and is re-blocked on the consumer; a conv-state piece as
+Pure functions over tensors (no I/O). Attention KV travels as the producer's pages, ``[blocks,
+heads, 2 (K, V), block_size x head_size]`` in its block size (a head's K and V as vLLM's CPU kernels
+store them: K transposed, V as it is), and is re-blocked token by token on the consumer; a conv-state piece as
 ``[conv_state_len, channels]`` of one component; a temporal-state piece as ``[heads, *head_shape]``.
 A consumer rank applies a piece it received, then the same payload on each of the piece's replicas.
 """
@@ -19,9 +20,23 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 def attention_view(cache: torch.Tensor, layer: AttentionLayer, block_size: int) -> torch.Tensor:
     """vLLM's CPU attention cache ``[blocks, heads, block_size, 2 * head_size]`` as
-    ``[blocks, heads, 2, block_size, head_size]``: each (block, head) holds K of every token, then V
-    (``cpu_attn.py`` views it so); the registered shape's last two dims are not (token, K|V)."""
+    ``[blocks, heads, 2, block_size, head_size]``: each (block, head) holds its K area, then its V
+    area (``cpu_attn.py`` splits them so); the registered shape's last two dims are not (token, K|V).
+    Which element of an area is which token is the kernels' business: see ``token_view``."""
     return cache.view(cache.shape[0], layer.kv.num_local_units, 2, block_size, layer.head_size)
+
+
+def token_view(view: torch.Tensor, half: int) -> torch.Tensor:
+    """K (``half`` 0) or V (1) of an ``attention_view``, or of a payload shaped like one, as
+    ``[blocks, heads, block_size, head_size]`` over the same memory. vLLM's CPU kernels (its ``vec``
+    and ``vec16`` ISAs, ``cpu_attn_reshape_and_cache``) store a head's K transposed, ``[head_size,
+    block_size]`` with a token's values ``block_size`` apart, and its V as ``[block_size,
+    head_size]``; checked against the kernel in tests/unit/test_layout_apply.py."""
+    blocks, heads, _, block_size, head_size = view.shape
+    area = view[:, :, half]
+    if half == 1:
+        return area
+    return area.flatten(2).unflatten(2, (head_size, block_size)).transpose(2, 3)
 
 
 def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece) -> torch.Tensor:
@@ -33,21 +48,23 @@ def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece) 
 def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload: torch.Tensor, piece: Piece,
                     first_block: int, src_block_size: int) -> None:
     """Write ``payload`` (producer blocks from the request's block ``first_block`` on, as
-    ``slice_attention`` made them) into the request's consumer blocks ``block_ids``; ids that are
-    None, and tokens past the last consumer block, are skipped."""
+    ``slice_attention`` made them) into the request's consumer blocks ``block_ids``, token by token
+    (``token_view``); ids that are None, and tokens past the last consumer block, are skipped."""
     dst_block_size = view.shape[3]
     chunks = [chunk for chunk in token_chunks(first_block, payload.shape[0], src_block_size, dst_block_size)
               if chunk.dst_block < len(block_ids) and block_ids[chunk.dst_block] is not None]
     if not chunks:
         return
     size = chunk_size(src_block_size, dst_block_size)
-    source = payload.unflatten(3, (src_block_size // size, size))
-    target = view.unflatten(3, (dst_block_size // size, size))
     src_blocks, src_slots, dst_blocks, dst_slots = (
         torch.tensor(column, dtype=torch.long, device=view.device)
         for column in zip(*((c.src_block, c.src_slot, block_ids[c.dst_block], c.dst_slot) for c in chunks)))
+    src_blocks, src_slots = src_blocks.to(payload.device), src_slots.to(payload.device)
     heads = slice(piece.dst_start, piece.dst_start + piece.num_units)
-    target[dst_blocks, heads, :, dst_slots] = source[src_blocks.to(payload.device), :, :, src_slots.to(payload.device)]
+    for half in (0, 1):
+        source = token_view(payload, half).unflatten(2, (src_block_size // size, size))
+        target = token_view(view, half).unflatten(2, (dst_block_size // size, size))
+        target[dst_blocks, heads, dst_slots] = source[src_blocks, :, src_slots]
 
 
 def state_page(cache: torch.Tensor, block_id: int) -> torch.Tensor:

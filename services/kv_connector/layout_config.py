@@ -60,7 +60,8 @@ class CacheConfig:
     kv_cache_groups: tuple[CacheGroup, ...]
 
 
-def spec_from_config(model: str, vllm_config: Any, tp_rank: int = 0, conv_layout: str = "SD") -> LayoutSpec:
+def spec_from_config(model: str, vllm_config: Any, tp_rank: int = 0, conv_layout: str = "SD",
+                     cache_layout: str = "") -> LayoutSpec:
     """``vllm_config``: vLLM's ``VllmConfig`` (or any object with its ``model_config.hf_text_config``,
     ``model_config.dtype``, ``cache_config`` and ``parallel_config`` attributes); ``conv_layout``:
     vLLM's ``get_conv_state_layout()``. Raises ``ValueError`` for what it cannot describe."""
@@ -77,7 +78,8 @@ def spec_from_config(model: str, vllm_config: Any, tp_rank: int = 0, conv_layout
     names = [f"layers.{index}" for index in range(len(kinds))]
     groups = tuple(CacheGroup(tuple(name for name, k in zip(names, kinds) if k == kind), spec)
                    for kind, spec in specs.items())
-    return spec_from_vllm(model, CacheConfig(groups), names, tp_rank, tp_size, _total_kv_heads(hf), conv_layout)
+    return spec_from_vllm(model, CacheConfig(groups), names, tp_rank, tp_size, _total_kv_heads(hf), conv_layout,
+                          cache_layout=cache_layout)
 
 
 def _layer_types(hf: Any) -> list[str]:

@@ -13,7 +13,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.kv_connector.layout_spec import DTYPE_BYTES, AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layout_spec import (
+    CPU_K_TRANSPOSED,
+    DTYPE_BYTES,
+    AttentionLayer,
+    Layer,
+    LayoutSpec,
+    LinearLayer,
+    Sharded,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +185,21 @@ def _continues(last: Piece, piece: Piece) -> bool:
     return ((last.src_rank, last.dst_rank, last.replicas) == (piece.src_rank, piece.dst_rank, piece.replicas)
             and last.src_start + last.num_units == piece.src_start
             and last.dst_start + last.num_units == piece.dst_start)
+
+
+def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str | None:
+    """Why the KV data path cannot carry ``layout_map`` yet, or None. It sends each producer rank's
+    pages to the consumer rank of the same number, so TP sizes must be equal; block sizes may differ
+    where the consumer can re-block, which needs both attention cache layouts known to be the one
+    ``layout_apply`` reads (``CPU_K_TRANSPOSED``)."""
+    if layout_map.producer_tp != layout_map.consumer_tp:
+        return (f"the layouts map only by head slicing (TP {layout_map.producer_tp} -> {layout_map.consumer_tp}), "
+                "which the KV data path does not carry yet")
+    if layout_map.is_identity or src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
+        return None
+    return (f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking, which needs both "
+            f"attention caches in the layout of vLLM's CPU kernels (announced: {src.cache_layout or 'unknown'} -> "
+            f"{dst.cache_layout or 'unknown'})")
 
 
 # Re-blocking ---------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ T = TypeVar("T")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int8": 1, "uint8": 1}
 CONV_LAYOUTS = ("SD", "DS")  # vLLM's conv state orientation: (state_len, dim) or (dim, state_len)
+# vLLM's CPU attention cache, [blocks, heads, block_size, 2 x head_size]: per (block, head) its K
+# transposed ([head_size, block_size]), then its V ([block_size, head_size]) (``layout_apply``)
+CPU_K_TRANSPOSED = "cpu-k-transposed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +163,15 @@ Layer = AttentionLayer | LinearLayer
 @dataclass(frozen=True, slots=True)
 class LayoutSpec:
     """One rank's KV layout: layers in registration order, each naming its KV-cache group; block
-    sizes per group (tokens per block for attention groups)."""
+    sizes per group (tokens per block for attention groups). ``cache_layout`` names the attention
+    cache's memory layout where the announcing side knows it (``CPU_K_TRANSPOSED``), ``""`` unknown."""
     model: str
     dtype: str
     tp_rank: int
     tp_size: int
     block_sizes: tuple[int, ...]
     layers: tuple[Layer, ...] = field(default=())
+    cache_layout: str = ""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "the model key is empty")

@@ -9,15 +9,18 @@ heads (pass the model's total) and Mamba2 groups (pass ``mamba_groups`` when TP 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from services.kv_connector.layout_spec import AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
 
 
 def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str], tp_rank: int, tp_size: int,
-                   total_kv_heads: int, conv_layout: str = "SD", mamba_groups: int | None = None) -> LayoutSpec:
+                   total_kv_heads: int, conv_layout: str = "SD", mamba_groups: int | None = None,
+                   cache_layout: str = "") -> LayoutSpec:
     """``layer_names`` in ``register_kv_caches`` order; ``conv_layout`` is vLLM's
-    ``get_conv_state_layout()``; ``total_kv_heads`` the model's ``get_total_num_kv_heads()``."""
+    ``get_conv_state_layout()``; ``total_kv_heads`` the model's ``get_total_num_kv_heads()``;
+    ``cache_layout`` the attention cache's memory layout (see ``with_cache_layout``)."""
     groups = list(kv_cache_config.kv_cache_groups)
     group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
     specs = [group.kv_cache_spec for group in groups]
@@ -34,7 +37,34 @@ def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str],
             layers.append(_linear(name, group_of[name], spec, tp_size, conv_layout, mamba_groups))
     if dtype is None:
         raise ValueError("the KV cache config has no attention layer to take the KV dtype from")
-    return LayoutSpec(model, dtype, tp_rank, tp_size, tuple(spec.block_size for spec in specs), tuple(layers))
+    return LayoutSpec(model, dtype, tp_rank, tp_size, tuple(spec.block_size for spec in specs), tuple(layers),
+                      cache_layout)
+
+
+# vLLM CPU attention kernels (by ISA) whose cache layout ``layout_apply.token_view`` reads; checked
+# against the kernel by tests/unit/test_layout_apply.py. Others (AMX, other architectures) are unknown.
+KERNEL_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED}
+
+
+def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto") -> LayoutSpec:
+    """``spec`` naming the attention cache layout its engine uses (the KV dtype and the first
+    attention layer's head and block size choose vLLM's CPU kernel): ``CPU_K_TRANSPOSED`` for the
+    kernels that store it so; unchanged (unknown) for the others and off the CPU platform, where
+    GPU backends choose theirs per model and device."""
+    import torch
+    from vllm.platforms import current_platform
+
+    attention = next((layer for layer in spec.layers if isinstance(layer, AttentionLayer)), None)
+    if not current_platform.is_cpu() or attention is None:
+        return spec
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(getattr(torch, spec.dtype), spec.block_sizes[attention.group], attention.head_size,
+                            cache_dtype)
+    except (ImportError, NotImplementedError, RuntimeError):
+        return spec
+    return replace(spec, cache_layout=KERNEL_LAYOUTS.get(isa, ""))
 
 
 def _attention(name: str, group: int, spec: Any, tp_size: int, total_kv_heads: int) -> AttentionLayer:

@@ -2,8 +2,10 @@
 
 Runs in vLLM's worker process; every method is called on the engine thread. Sends copy the
 blocks (so vLLM may free them at once) and hand the copy to the transport, which sends in the
-background. Received frames are applied to the cache here, between forwards, so nothing else ever
-writes into engine memory; a transfer completes when its end marker and every frame are in.
+background; a transfer's LAYOUT frame goes before its first block. Received frames are applied to
+the cache here, between forwards, so nothing else ever writes into engine memory, once the
+producer's LAYOUT frame says how (as they are, or re-blocked: ``reblock``); a transfer completes
+when its end marker and every frame are in.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
+from services.kv_connector.layout_spec import LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
+from services.kv_connector.reblock import Reblocker, ReblockPlans, announcement
 from services.kv_connector.stats import INTERVAL_S
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSnapshot
 
@@ -37,6 +41,8 @@ class _Receiving:
     early_bytes: int = 0
     done: bool = False
     started: bool = False  # some KV (or the transfer's end) arrived
+    layout_known: bool = False  # the producer's LAYOUT frame arrived; KV before it is staged
+    reblock: Reblocker | None = None  # the producer's block sizes differ from ours
     last_activity: float = field(default_factory=time.monotonic)
 
 
@@ -57,15 +63,22 @@ class PrfaasConnectorWorker:
         self._max_early_bytes = max_early_bytes
         self.layout: KVLayout | None = None
         self.streams: KVTransport | None = None
+        self._announcement = b""  # this engine's LAYOUT frame payload
+        self._plans: ReblockPlans | None = None
         self._sends: list[SendSpec] = []
+        self._unannounced: set[str] = set()  # transfers starting this step whose LAYOUT frame is not sent
         self._idle_step = False
         self._receiving: dict[str, _Receiving] = {}
         self._released: set[str] = set()  # aborted while receiving: vLLM frees their blocks once told
         self._forgotten: OrderedDict[str, None] = OrderedDict()
         self._next_stats = 0.0
 
-    def register_kv_caches(self, layout: KVLayout) -> None:
+    def register_kv_caches(self, layout: KVLayout, spec: LayoutSpec | None = None) -> None:
+        """``spec``: this rank's layout as ``layout_spec`` describes it (None: this engine can receive
+        only from identical layouts)."""
         self.layout = layout
+        self._announcement = announcement(layout.fingerprint, spec)
+        self._plans = ReblockPlans(layout, spec)
         self.streams = self._streams_factory()
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
@@ -80,6 +93,7 @@ class PrfaasConnectorWorker:
                 self._released.add(receiving.spec.req_id)
             self._forget(transfer_id, "abandoned by the engine")
         self._sends = meta.sends
+        self._unannounced = {send.transfer_id for send in meta.sends if send.start == 0}
         self._idle_step = meta.idle
 
     # Producer --------------------------------------------------------------------------------
@@ -91,12 +105,12 @@ class PrfaasConnectorWorker:
         if layer is None or self.layout.is_state_group[layer.group]:
             return
         for send in self._sends:
+            self._announce(send)
             self._send_attention_blocks(send, layer)
 
     def wait_for_save(self) -> None:
         for send in self._sends:
-            if send.start == 0:
-                self.streams.send_layout(send.peer, send.transfer_id, self.layout.fingerprint.encode())
+            self._announce(send)
             if send.is_last:
                 for frame in self._deferred.pop(send.transfer_id, ()):
                     self.streams.send(send.peer, send.transfer_id, *frame)
@@ -105,6 +119,11 @@ class PrfaasConnectorWorker:
                 self.streams.finish(send.peer, send.transfer_id)
                 logger.debug("request %s: all KV handed to the transport", send.transfer_id)
         self._sends = []
+
+    def _announce(self, send: SendSpec) -> None:
+        if send.transfer_id in self._unannounced:
+            self._unannounced.discard(send.transfer_id)
+            self.streams.send_layout(send.peer, send.transfer_id, self._announcement)
 
     def _send_attention_blocks(self, send: SendSpec, layer: LayerInfo) -> None:
         block_size = self.layout.block_size[layer.group]
@@ -135,7 +154,8 @@ class PrfaasConnectorWorker:
         for event in self.streams.poll(wait_s) if self.streams else ():
             self._on_event(event, failed)
         for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.spec is not None and receiving.early_frames and transfer_id not in failed:
+            if receiving.spec is not None and receiving.layout_known and receiving.early_frames \
+                    and transfer_id not in failed:
                 self._apply_early(transfer_id, receiving, failed)
         self._expire_idle(failed)
         return self._collect(failed)
@@ -150,10 +170,20 @@ class PrfaasConnectorWorker:
             failed[event.transfer_id] = event.reason
         elif isinstance(event, TransferDone):
             receiving.done = True
-        elif receiving.spec is None:
+        elif event.is_layout:
+            if error := self._learn_layout(event, receiving):
+                failed[event.transfer_id] = error
+        elif receiving.spec is None or not receiving.layout_known:
             self._stage_early(event, receiving, failed)
-        elif error := self._apply(event, receiving.spec):
+        elif error := self._apply(event, receiving):
             failed[event.transfer_id] = error
+
+    def _learn_layout(self, frame: Frame, receiving: _Receiving) -> str | None:
+        plan = self._plans.plan(bytes(frame.payload))
+        if isinstance(plan, str):
+            return plan
+        receiving.reblock, receiving.layout_known = plan, True
+        return None
 
     def _stage_early(self, frame: Frame, receiving: _Receiving, failed: dict[str, str]) -> None:
         receiving.early_frames.append(frame)
@@ -164,19 +194,18 @@ class PrfaasConnectorWorker:
     def _apply_early(self, transfer_id: str, receiving: _Receiving, failed: dict[str, str]) -> None:
         frames, receiving.early_frames, receiving.early_bytes = receiving.early_frames, [], 0
         for frame in frames:
-            if error := self._apply(frame, receiving.spec):
+            if error := self._apply(frame, receiving):
                 failed[transfer_id] = error
                 return
 
-    def _apply(self, frame: Frame, spec: RecvSpec) -> str | None:
+    def _apply(self, frame: Frame, receiving: _Receiving) -> str | None:
         """Copy one frame into the request's blocks; returns an error text instead of raising."""
-        if frame.is_layout:
-            theirs = bytes(frame.payload).decode(errors="replace")
-            ours = self.layout.fingerprint
-            return None if theirs == ours else f"KV layout mismatch ({theirs} != {ours})"
+        spec = receiving.spec
         layer = self.layout.by_index.get(frame.layer)
         if layer is None or layer.group != frame.group:
             return f"frame for unknown layer {frame.layer} / group {frame.group}"
+        if receiving.reblock is not None:
+            return self._apply_reblocked(frame, layer, spec, receiving.reblock)
         ids = self._destination(layer, frame, spec)
         if ids is None:
             return (f"frame outside the request's blocks (layer {frame.layer}, "
@@ -186,6 +215,25 @@ class PrfaasConnectorWorker:
         keep = [i for i, block in enumerate(ids) if block is not None]
         if keep:
             self.layout.write_some(layer, ids, keep, frame.payload)
+        return None
+
+    def _apply_reblocked(self, frame: Frame, layer: LayerInfo, spec: RecvSpec, reblock: Reblocker) -> str | None:
+        group_ids = spec.block_ids[layer.group]
+        if self.layout.is_state_group[layer.group]:
+            if frame.num_blocks != 1 or not reblock.fits_state_page(layer, len(frame.payload)):
+                return f"state frame of {frame.num_blocks} pages, {len(frame.payload)} bytes for layer {frame.layer}"
+            if (block := state_block(group_ids)) != NULL_BLOCK:
+                reblock.write_state(layer, block, frame.payload)
+            return None
+        block_size = self.layout.block_size[layer.group]
+        if frame.block_start * reblock.src_block_size(layer) >= len(group_ids) * block_size:
+            return (f"frame outside the request's blocks (layer {frame.layer}, producer blocks "
+                    f"{frame.block_start}+{frame.num_blocks})")
+        if len(frame.payload) != reblock.attention_payload_bytes(layer, frame.num_blocks):
+            return f"frame of {len(frame.payload)} bytes does not match layer {frame.layer}'s producer blocks"
+        first_needed = spec.first_token // block_size
+        ids = [b if i >= first_needed and b != NULL_BLOCK else None for i, b in enumerate(group_ids)]
+        reblock.write_attention(layer, ids, frame.block_start, frame.num_blocks, frame.payload)
         return None
 
     def _destination(self, layer: LayerInfo, frame: Frame, spec: RecvSpec) -> list[int | None] | None:

@@ -10,7 +10,7 @@ from services.kv_transport.protocol import DATA, LAYOUT
 @dataclass(frozen=True, slots=True)
 class Frame:
     """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer; or, of kind
-    LAYOUT, the sender's layout fingerprint (see ``protocol``)."""
+    LAYOUT, the sender's KV layout (see ``protocol``)."""
 
     transfer_id: str
     layer: int

@@ -1,4 +1,4 @@
-"""The KV stream wire format, version 2.
+"""The KV stream wire format, version 3.
 
 A connection starts with a handshake (client → server) that checks the protocol version and
 proves, in both directions, knowledge of the shared secret without sending it::
@@ -18,9 +18,11 @@ Frame kinds:
 - DATA: blocks ``[block_start, block_start + num_blocks)`` of layer ``layer`` of KV-cache group
   ``group``. A cache pool's transfer moves whole blocks instead, one per DATA frame: there ``layer``
   is the block's index in the transfer (``block_frame_fields``; read back as ``Frame.block_index``).
-- LAYOUT: the producer's KV layout fingerprint (payload), which the consumer checks before it
-  writes any block; ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 1 sent
-  it as a DATA frame of layer 0xFFFF.)
+- LAYOUT: the producer's KV layout (payload): its fingerprint, then a newline and its ``LayoutSpec``
+  where it can describe itself (``kv_connector/reblock.py``). The consumer writes no block before it
+  has checked it: identical layouts copy pages as they are, others are re-blocked or refused.
+  ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 2 sent the fingerprint
+  alone; version 1 sent it as a DATA frame of layer 0xFFFF.)
 - END: no more frames; ``seq`` is how many DATA and LAYOUT frames the transfer has.
 - ABORT: the sender gave up on the transfer; the payload says why.
 """
@@ -36,7 +38,7 @@ from typing import Literal, NoReturn, overload
 
 import xxhash
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"PFKV"
 MAX_TRANSFER_ID_BYTES = 255
 

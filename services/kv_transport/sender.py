@@ -98,9 +98,9 @@ class PeerLink:
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
             self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count)
 
-    def send_layout(self, transfer_id: str, fingerprint: bytes) -> None:
+    def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
-        self._enqueue(transfer_id, LAYOUT, memoryview(fingerprint))
+        self._enqueue(transfer_id, LAYOUT, memoryview(layout))
 
     def finish(self, transfer_id: str) -> None:
         """All frames of the transfer are queued; the END frame tells the receiver how many."""

@@ -46,9 +46,9 @@ class KVTransport:
         """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``."""
         self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload)
 
-    def send_layout(self, peer: str, transfer_id: str, fingerprint: bytes) -> None:
-        """Queue the producer's KV layout fingerprint, which the consumer checks before writing blocks."""
-        self._link(peer).send_layout(transfer_id, fingerprint)
+    def send_layout(self, peer: str, transfer_id: str, layout: bytes) -> None:
+        """Queue the producer's KV layout (a LAYOUT frame), which the consumer checks before writing blocks."""
+        self._link(peer).send_layout(transfer_id, layout)
 
     def send_block(self, peer: str, transfer_id: str, index: int, group: int, payload: Bytes) -> None:
         """Queue one whole block, the ``index``-th of the transfer (``Frame.block_index`` at the receiver)."""

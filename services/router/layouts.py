@@ -5,7 +5,8 @@ pair is logged once, exported as a gauge and listed in ``/health``; its prompts 
 (locally when no prefill worker can feed the decode worker).
 
 Verdicts: ``mappable``; ``unmappable`` (``plan_mapping`` found none, or found one that the KV data
-path cannot carry yet: it sends pages as they are, so TP sizes and block sizes must be equal);
+path cannot carry yet, ``data_path_problem``: TP sizes must be equal; block sizes may differ between
+two of vLLM's CPU engines, whose consumer re-blocks what it receives);
 ``unknown`` (a side announced nothing, or something this router cannot read): allowed, as before
 layouts were announced, and the per-transfer layout fingerprint check stays the backstop.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from services.kv_connector.layout_map import LayoutMap, Unmappable, plan_mapping
+from services.kv_connector.layout_map import Unmappable, data_path_problem, plan_mapping
 from services.kv_connector.layout_spec import LayoutSpec
 from services.router.metrics import RouterMetrics
 
@@ -52,17 +53,12 @@ def judge(producer: bytes, consumer: bytes) -> tuple[Verdict, str]:
     result = plan_mapping(_ranks(src), _ranks(dst))
     if isinstance(result, Unmappable):
         return "unmappable", result.reason
-    return ("mappable", "") if result.is_identity else ("unmappable", _not_carried(result, src, dst))
+    problem = data_path_problem(result, src, dst)
+    return ("mappable", "") if problem is None else ("unmappable", problem)
 
 
 def _ranks(spec: LayoutSpec) -> list[LayoutSpec]:
     return [spec.for_rank(rank) for rank in range(spec.tp_size)]
-
-
-def _not_carried(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str:
-    return (f"the layouts map only by head slicing or re-blocking (TP {layout_map.producer_tp} -> "
-            f"{layout_map.consumer_tp}, block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)}), "
-            "which the KV data path does not carry yet")
 
 
 class LayoutNegotiation:

@@ -11,6 +11,7 @@ import pytest
 
 from services.kv_connector import worker as worker_module
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec
+from services.kv_connector.reblock import ReblockPlans
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
 
@@ -35,6 +36,7 @@ def worker():
     worker = PrfaasConnectorWorker(_Events, idle_timeout_s=10.0, max_early_bytes=1 << 20, first_frame_timeout_s=60.0)
     worker.streams = _Events()
     worker.layout = types.SimpleNamespace(fingerprint="layout")
+    worker._plans = ReblockPlans(worker.layout, None)
     return worker
 
 

@@ -10,7 +10,8 @@ import torch
 from support.layouts import gdn, gdn_model, mamba_model, ranks
 
 from services.kv_connector.layout_apply import (attention_view, conv_state_view, from_payload, slice_attention,
-                                                slice_state, temporal_state_view, write_attention, write_state)
+                                                slice_state, temporal_state_view, token_view, write_attention,
+                                                write_state)
 from services.kv_connector.layout_map import LayoutMap, Piece, plan_mapping
 from services.kv_connector.layout_spec import AttentionLayer, LayoutSpec, LinearLayer, Sharded
 
@@ -75,14 +76,18 @@ def build_rank(spec: LayoutSpec, data, fill: bool, generator: torch.Generator) -
 
 def read_tokens(cache: torch.Tensor, block_ids: list[int], layer, block_size: int) -> torch.Tensor:
     """A request's KV as [tokens, heads, 2, head_size]."""
-    blocks = attention_view(cache, layer, block_size)[block_ids]  # [blocks, heads, 2, block, head]
+    view = attention_view(cache, layer, block_size)
+    blocks = torch.stack([token_view(view, half)[block_ids] for half in (0, 1)], dim=2)  # [blocks, heads, 2, ...]
     return blocks.permute(0, 3, 1, 2, 4).flatten(0, 1)[:NUM_TOKENS]
 
 
 def write_tokens(cache: torch.Tensor, block_ids: list[int], layer, block_size: int, tokens: torch.Tensor) -> None:
     padded = torch.zeros(len(block_ids) * block_size, *tokens.shape[1:], dtype=tokens.dtype)
     padded[:NUM_TOKENS] = tokens
-    attention_view(cache, layer, block_size)[block_ids] = padded.unflatten(0, (-1, block_size)).permute(0, 2, 3, 1, 4)
+    blocks = padded.unflatten(0, (-1, block_size)).permute(0, 2, 3, 1, 4)  # [blocks, heads, 2, block, head]
+    view = attention_view(cache, layer, block_size)
+    for half in (0, 1):
+        token_view(view, half)[block_ids] = blocks[:, :, half]
 
 
 def wire(tensor: torch.Tensor) -> bytearray:
@@ -183,12 +188,48 @@ def test_consumer_blocks_marked_none_are_left_alone():
     piece = Piece(3, "kv_heads", 0, 2, 0, 0, 0, 0)
     write_attention(target, [None, 3], slice_attention(source, [1, 2, 0], piece), piece, 0, 16)
     assert not target[:3].any()
-    assert torch.equal(target[3, :, :, :16], source[0])
+    for half in (0, 1):
+        assert torch.equal(token_view(target, half)[3, :, :16], token_view(source, half)[0])
 
 
-def test_attention_view_reads_k_and_v_as_the_cpu_backend_does():
-    layer = gdn_model(1).layers[3]
-    cache = torch.randn(5, 2, 16, 16).to(torch.bfloat16)
-    key_cache, value_cache = cache.view(5, 2, 16 * 2, -1).chunk(2, dim=2)  # as cpu_attn.py splits it
-    view = attention_view(cache, layer, 16)
-    assert torch.equal(view[:, :, 0], key_cache) and torch.equal(view[:, :, 1], value_cache)
+KERNEL_LAYER = AttentionLayer("layers.0", 0, Sharded("kv_heads", 2, 64, 2))  # head sizes the kernel supports
+
+
+def _kernel_cache(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
+    """A cache of ``[blocks, heads, block_size, 2 * head_size]`` holding ``keys``/``values``
+    ([tokens, heads, head_size]) in ``block_ids``, written by vLLM's own CPU kernel."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    tokens, heads, head_size = keys.shape
+    cache = torch.zeros(max(block_ids) + 1, heads, block_size, 2 * head_size, dtype=keys.dtype)
+    key_cache, value_cache = cache.view(cache.shape[0], heads, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.tensor([block_ids[t // block_size] * block_size + t % block_size for t in range(tokens)])
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots,
+                                   _get_attn_isa(keys.dtype, block_size, head_size))
+    return cache
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_token_view_reads_k_and_v_where_vllms_cpu_kernel_writes_them(block_size):
+    layer = KERNEL_LAYER
+    keys, values = (torch.randn(2 * block_size, 2, 64).to(torch.bfloat16) for _ in range(2))
+    view = attention_view(_kernel_cache(keys, values, [3, 1], block_size), layer, block_size)
+    for half, expected in ((0, keys), (1, values)):
+        found = token_view(view, half)[[3, 1]].permute(0, 2, 1, 3).flatten(0, 1)  # [tokens, heads, head]
+        assert torch.equal(found, expected)
+
+
+@pytest.mark.parametrize("src_size, dst_size", [(64, 128), (128, 32), (32, 48)])
+def test_re_blocked_kv_is_what_vllms_kernel_writes_with_the_consumers_block_size(src_size, dst_size):
+    layer = KERNEL_LAYER
+    tokens = 3 * 128
+    keys, values = (torch.randn(tokens, 2, 64).to(torch.bfloat16) for _ in range(2))
+    src_ids = list(range(1, tokens // src_size + 1))
+    dst_ids = list(range(2, 2 + -(-tokens // dst_size)))
+    source = attention_view(_kernel_cache(keys, values, src_ids, src_size), layer, src_size)
+    expected = attention_view(_kernel_cache(keys, values, dst_ids, dst_size), layer, dst_size)
+    target = torch.zeros_like(expected)
+    piece = Piece(3, "kv_heads", 0, 2, 0, 0, 0, 0)
+    write_attention(target, dst_ids, slice_attention(source, src_ids, piece), piece, 0, src_size)
+    assert torch.equal(target[2:2 + tokens // dst_size], expected[2:2 + tokens // dst_size])

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from services.engine.engine import announced_layout
 from services.kv_connector.layout_config import spec_from_config
 from services.kv_connector.layout_map import LayoutMap, Unmappable, plan_mapping
-from services.kv_connector.layout_spec import AttentionLayer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, AttentionLayer, LayoutSpec, LinearLayer, Sharded
 from services.models import tiny_hybrid
 
 
@@ -98,7 +98,9 @@ def test_unknown_cache_dtype_is_a_value_error():
 def test_an_engine_announces_its_rank_0_spec_or_nothing(caplog):
     config = vllm_config(smollm2())
     config.model_config.served_model_name = "smollm2"
-    assert LayoutSpec.from_bytes(announced_layout(config)) == spec_from_config("smollm2", config)
+    announced = LayoutSpec.from_bytes(announced_layout(config))
+    assert announced == spec_from_config("smollm2", config, cache_layout=announced.cache_layout)
+    assert announced.cache_layout == CPU_K_TRANSPOSED  # vLLM's vec kernels, on x86 without AMX
     config.model_config.hf_text_config.layer_types = ["mamba"] * 30
     assert announced_layout(config) == b""
     assert "announcing no KV layout (peers will treat it as unknown): layer types ['mamba']" in caplog.text

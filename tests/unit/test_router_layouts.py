@@ -11,6 +11,7 @@ import pytest
 from services.config import parse_config
 from services.engine.types import WorkerStats
 from services.kv_connector import layout_map
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
 from services.router import layouts
 from services.router.app import RouterApp
 from services.router.layouts import LayoutNegotiation, PairVerdict, judge
@@ -20,6 +21,7 @@ from support.layouts import gdn_model
 
 BF16 = gdn_model(1).to_bytes()
 FP32 = gdn_model(1, dtype="float32").to_bytes()
+CPU_16 = gdn_model(1, cache_layout=CPU_K_TRANSPOSED).to_bytes()
 WORKERS = [
     {"name": "d", "service": "decode_worker", "role": "both", "port": 50101, "kv_port": 50102},
     {"name": "p1", "service": "prefill_worker", "cluster": "prfaas", "port": 50103},
@@ -31,8 +33,12 @@ WORKERS = [
     (BF16, BF16, "mappable", ""),
     (FP32, BF16, "unmappable", "different KV dtypes: producer float32, consumer bfloat16"),
     (gdn_model(1, model="other").to_bytes(), BF16, "unmappable", "different models: producer 'other'"),
-    (BF16, gdn_model(2).to_bytes(), "unmappable", "map only by head slicing or re-blocking (TP 1 -> 2"),
-    (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable", "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32]"),
+    (BF16, gdn_model(2).to_bytes(), "unmappable", "map only by head slicing (TP 1 -> 2)"),
+    (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable",
+     "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32] need re-blocking, which needs both attention caches in "
+     "the layout of vLLM's CPU kernels (announced: unknown -> unknown)"),
+    (CPU_16, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
+    (CPU_16, gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "unmappable", "head slicing (TP 1 -> 2)"),
     (b"", BF16, "unknown", "the prefill worker announces no layout"),
     (BF16, b"", "unknown", "the decode worker announces no layout"),
     (BF16, b'{"version": 99}', "unknown", "the decode worker's layout is unreadable here: layout spec version 99"),

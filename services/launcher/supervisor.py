@@ -18,10 +18,6 @@ from services.security import GrpcSecurity
 
 STOP_TIMEOUT_S = 40.0
 GROUP_EXIT_S = 10.0  # after a service's main process exits, for the rest of its process group
-# A worker runs ~100 threads (vLLM's engine, OpenMP, gRPC, the KV transport). glibc gives threads
-# up to 8 malloc arenas per core, each of which keeps its high-water mark; two bound that growth.
-# The environment a worker is started with wins.
-WORKER_ENVIRONMENT = {"MALLOC_ARENA_MAX": "2"}
 
 
 @dataclass(slots=True)
@@ -58,14 +54,9 @@ def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> 
     for worker in config.workers:
         command = "prefill-worker" if worker.service == "prefill_worker" else "decode-worker"
         argv = base + [command, "--config", str(config_path), "--name", worker.name]
-        children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log", env=worker_environment()))
+        children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log"))
     children.append(Child("router", base + ["router", "--config", str(config_path)], log_dir / "router.log"))
     return children
-
-
-def worker_environment() -> dict[str, str]:
-    """``WORKER_ENVIRONMENT``, less what this process' environment already sets."""
-    return {name: value for name, value in WORKER_ENVIRONMENT.items() if name not in os.environ}
 
 
 def grpc_endpoints(config: DeploymentConfig) -> dict[str, tuple[str, int]]:

@@ -69,7 +69,7 @@ class Deployment:
         self.children = supervisor.children_for(parsed, self.config_path, self.directory)
         for child in self.children:
             child.argv = self.prefixes.get(child.name, []) + child.argv
-            child.env = {**child.env, **credentials}
+            child.env = credentials
             child.start()
         self._wait_healthy(parsed)
         return self

@@ -34,13 +34,3 @@ def test_a_deployment_without_pools_starts_no_pool():
     raw = {key: value for key, value in RAW.items() if key != "cache_pools"}
     assert [c.name for c in supervisor.children_for(parse_config(raw), Path("c.yaml"), Path("."))] == \
         ["decode-0", "prefill-0", "router"]
-
-
-def test_workers_start_with_bounded_malloc_arenas_unless_the_environment_says_otherwise(monkeypatch):
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    children = {c.name: c for c in supervisor.children_for(parse_config(RAW), Path("c.yaml"), Path("."))}
-    assert children["decode-0"].env == {"MALLOC_ARENA_MAX": "2"} == children["prefill-0"].env
-    assert children["router"].env == {} == children["pool-local"].env
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
-    children = {c.name: c for c in supervisor.children_for(parse_config(RAW), Path("c.yaml"), Path("."))}
-    assert children["decode-0"].env == {}

@@ -226,7 +226,7 @@ class PrfaasConnectorWorker:
                 reblock.write_state(layer, block, frame.payload)
             return None
         block_size = self.layout.block_size[layer.group]
-        if frame.block_start * reblock.src_block_size(layer) >= len(group_ids) * block_size:
+        if frame.num_blocks < 1 or frame.block_start * reblock.src_block_size(layer) >= len(group_ids) * block_size:
             return (f"frame outside the request's blocks (layer {frame.layer}, producer blocks "
                     f"{frame.block_start}+{frame.num_blocks})")
         if len(frame.payload) != reblock.attention_payload_bytes(layer, frame.num_blocks):

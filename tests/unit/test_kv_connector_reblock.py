@@ -163,3 +163,17 @@ def test_a_layout_the_consumer_cannot_re_block_fails_the_transfer_and_writes_not
     assert results.failed_recving == {"r"}
     assert "KV layout mismatch" in caplog.text and reason in caplog.text
     assert not consumer.layout.caches["l1"].any() and not consumer.layout.caches["l0"].any()
+
+
+@pytest.mark.parametrize("block_start, num_blocks", [(0, 0), (NUM_TOKENS, 1)])
+def test_a_frame_outside_the_request_fails_the_transfer_and_writes_nothing(block_start, num_blocks, caplog):
+    """A peer's frame with no blocks, or past the request's last block, is refused with the reason
+    (an empty payload would otherwise reach torch.frombuffer, which raises in the engine's step)."""
+    producer, consumer = _worker(16, 256, fill=True), _worker(32, 512, fill=False)
+    frames = _stream(producer, _blocks(NUM_TOKENS, 16, 1), [(0, NUM_TOKENS)])
+    attention = next(f for f in frames if getattr(f, "kind", None) == protocol.DATA and f.group == 1)
+    bad = Frame("t", attention.layer, 1, block_start, num_blocks,
+                memoryview(bytes(len(attention.payload) // attention.num_blocks * num_blocks)))
+    results = _receive(consumer, [frames[0], bad, TransferDone("t")], _blocks(NUM_TOKENS, 32, 2))
+    assert results.failed_recving == {"r"} and "frame outside the request's blocks" in caplog.text
+    assert not consumer.layout.caches["l1"].any()

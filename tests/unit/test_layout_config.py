@@ -100,7 +100,7 @@ def test_an_engine_announces_its_rank_0_spec_or_nothing(caplog):
     config.model_config.served_model_name = "smollm2"
     announced = LayoutSpec.from_bytes(announced_layout(config))
     assert announced == spec_from_config("smollm2", config, cache_layout=announced.cache_layout)
-    assert announced.cache_layout == CPU_K_TRANSPOSED  # vLLM's vec kernels, on x86 without AMX
+    assert announced.cache_layout == CPU_K_TRANSPOSED  # float32 KV, 128-token blocks: vLLM's vec kernel on x86
     config.model_config.hf_text_config.layer_types = ["mamba"] * 30
     assert announced_layout(config) == b""
     assert "announcing no KV layout (peers will treat it as unknown): layer types ['mamba']" in caplog.text

@@ -1,26 +1,28 @@
 """Bytes on the wire and transfer time when prefill and decode engines lay out KV differently.
 
-For each pairing of block sizes that the KV data path carries, one request's KV (``--tokens``
-tokens of the embedded model's shape: its layer count, KV heads, head size and dtype, in vLLM's CPU
-cache layout) goes from a producer's connector worker to a consumer's, through ``KVTransport`` over
-loopback TCP with its checksums and authentication, as a prefill worker streams it: layer by layer,
-in prefill chunks of ``--chunk`` tokens. The consumer re-blocks it into its own blocks, and every
-token's K and V is checked against the producer's. The baseline is the KV itself: the bytes the
-consumer needs (tokens x layers x KV heads x K and V x head size x dtype). Wire bytes are everything
-the sender wrote: frame headers, the LAYOUT frame (fingerprint and layout spec), END, payload,
-including the padding of a partial last block (none when the token count is a multiple of every
-block size). Time is from the first layer handed to the transport to the consumer's report of the
-finished receive, the median of ``--rounds``, after an unmeasured transfer that opens connections.
-
-Pairings between tensor-parallel sizes are planned (``layout_map.wire_cost``: each KV head crosses
-once) but not carried yet; they are printed as planned and take no part in the verdict.
+For each pairing of block sizes and tensor-parallel sizes, one request's KV (``--tokens`` tokens of
+the embedded model's shape: its layer count, KV heads, head size and dtype, in vLLM's CPU cache
+layout) goes from the producer ranks' connector workers to the consumer ranks', through
+``KVTransport`` over loopback TCP with its checksums and authentication, as a prefill worker streams
+it: layer by layer, in prefill chunks of ``--chunk`` tokens. Each producer rank sends each consumer
+rank the KV heads it owns (SmolLM2's 3 KV heads: TP 1 <-> 3), each consumer rank listening on its own
+port; the consumer re-blocks them into its own blocks, and every token's K and V of every head is
+checked against the producer's. The baseline is the KV itself: the bytes the consumer needs (tokens
+x layers x KV heads x K and V x head size x dtype). Wire bytes are everything the senders wrote:
+frame headers, the LAYOUT frames (fingerprint and layout spec), END, payload, including the padding
+of a partial last block (none when the token count is a multiple of every block size). Time is from
+the first layer handed to the transport to the last consumer rank's report of the finished receive,
+the median of ``--rounds``, after an unmeasured transfer that opens connections. The ranks of a side
+run one after another in this one process (in a deployment each is its own process).
 
     python bench/hetero_layouts.py [--tokens 8192] [--chunk 2048] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,15 +35,15 @@ from _common import median, verdict
 from services.engine.args import checkpoint_config, resolve_dtype
 from services.kv_connector.layout import KVLayout
 from services.kv_connector.layout_apply import TORCH_DTYPES, attention_view, token_view
-from services.kv_connector.layout_map import Unmappable, plan_mapping, wire_cost
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES, LayoutSpec
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES
 from services.kv_connector.layout_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import KVTransport, TransportSettings
 
-PAIRINGS = ((128, 128), (64, 128), (128, 64), (32, 128), (128, 32))  # (prefill, decode) block sizes
-PLANNED_TP = ((1, 3), (3, 1))
+# (prefill block size, decode block size, prefill TP, decode TP)
+PAIRINGS = ((128, 128, 1, 1), (64, 128, 1, 1), (128, 64, 1, 1), (32, 128, 1, 1), (128, 32, 1, 1),
+            (128, 128, 1, 3), (128, 128, 3, 1), (64, 128, 3, 1))
 SECRET = "bench-hetero-secret"
 TARGET = 1.01  # wire bytes per KV byte: the KV once, framing under 1%
 RECEIVE_TIMEOUT_S = 120.0
@@ -64,6 +66,8 @@ class Model:
 class Result:
     prefill_block: int
     decode_block: int
+    prefill_tp: int
+    decode_tp: int
     wire_bytes: int
     kv_bytes: int
     payload_bytes: int
@@ -72,6 +76,10 @@ class Result:
     @property
     def ratio(self) -> float:
         return self.wire_bytes / self.kv_bytes
+
+    @property
+    def name(self) -> str:
+        return (f"{self.prefill_block}/TP{self.prefill_tp} -> {self.decode_block}/TP{self.decode_tp}")
 
 
 def embedded_model() -> Model:
@@ -86,29 +94,33 @@ def embedded_model() -> Model:
 
 
 class Engine:
-    """One side's paged KV cache (vLLM's CPU layout) and its connector worker with a real transport."""
+    """One rank's paged KV cache (vLLM's CPU layout) and its connector worker with a real transport
+    (listening at ``listen_port`` on a consumer)."""
 
-    def __init__(self, model: Model, block_size: int, num_tokens: int, fill: bool, listen: bool) -> None:
+    def __init__(self, model: Model, block_size: int, num_tokens: int, fill: bool, listen_port: int | None,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
         self.block_size = block_size
         self.num_blocks = math.ceil(num_tokens / block_size) + 1  # block 0 is vLLM's null block
-        attention = SimpleNamespace(block_size=block_size, num_kv_heads=model.kv_heads, head_size=model.head_size,
+        heads = model.kv_heads // tp_size
+        attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=model.head_size,
                                     dtype=TORCH_DTYPES[model.dtype])
         self.names = [f"layers.{i}" for i in range(model.layers)]
         config = SimpleNamespace(num_blocks=self.num_blocks, kv_cache_groups=[
             SimpleNamespace(layer_names=self.names, kv_cache_spec=attention)])
-        shape = (self.num_blocks, model.kv_heads, block_size, 2 * model.head_size)
-        generator = torch.Generator().manual_seed(block_size)
+        shape = (self.num_blocks, heads, block_size, 2 * model.head_size)
+        generator = torch.Generator().manual_seed(1000 * block_size + 10 * tp_size + tp_rank)
         caches = {name: (torch.randn(shape, generator=generator) if fill else torch.zeros(shape))
                   .to(TORCH_DTYPES[model.dtype]) for name in self.names}
-        self.spec = spec_from_vllm(model.name, config, self.names, 0, 1, model.kv_heads, cache_layout=CPU_K_TRANSPOSED)
+        self.spec = spec_from_vllm(model.name, config, self.names, tp_rank, tp_size, model.kv_heads,
+                                   cache_layout=CPU_K_TRANSPOSED)
         settings = TransportSettings(secret=SECRET)
-        self.worker = PrfaasConnectorWorker(lambda: KVTransport(settings, listen_port=0 if listen else None),
+        self.worker = PrfaasConnectorWorker(lambda: KVTransport(settings, listen_port=listen_port),
                                             idle_timeout_s=RECEIVE_TIMEOUT_S, max_early_bytes=1 << 32)
         self.worker.register_kv_caches(KVLayout(config, caches), self.spec)
         self.block_ids = tuple(range(1, self.num_blocks))
 
     def tokens(self, layer: str, num_tokens: int) -> torch.Tensor:
-        """K and V of the first ``num_tokens`` tokens of one layer, [tokens, heads, 2, head_size]."""
+        """K and V of the first ``num_tokens`` tokens of one layer, [tokens, local heads, 2, head_size]."""
         view = attention_view(self.worker.layout.caches[layer], self.spec.layers[0], self.block_size)
         positions = torch.arange(num_tokens)
         blocks = torch.tensor(self.block_ids)[positions // self.block_size]
@@ -118,59 +130,89 @@ class Engine:
         self.worker.shutdown()
 
 
-def transfer(producer: Engine, consumer: Engine, transfer_id: str, num_tokens: int, chunk: int) -> float:
-    """Stream one request's KV; returns the seconds until the consumer reported it received."""
-    peer = f"127.0.0.1:{consumer.worker.streams.port}"
-    consumer.worker.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec(
-        "r", transfer_id, (consumer.block_ids,), 0, num_tokens)]))
-    outcome: dict[str, float | str] = {}
+def all_heads(ranks: list[Engine], layer: str, num_tokens: int) -> torch.Tensor:
+    """K and V of every head of one layer, the ranks' heads side by side."""
+    return torch.cat([rank.tokens(layer, num_tokens) for rank in ranks], dim=1)
 
-    def receive() -> None:
+
+def consecutive_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (consumer rank r listens at first + r)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def transfer(producers: list[Engine], consumers: list[Engine], port: int, transfer_id: str, num_tokens: int,
+             chunk: int) -> float:
+    """Stream one request's KV; returns the seconds until every consumer rank reported it received."""
+    peer = f"127.0.0.1:{port}"
+    outcome: dict[int, float | str] = {}
+
+    def receive(rank: int, consumer: Engine) -> None:
         deadline = time.monotonic() + RECEIVE_TIMEOUT_S
         while time.monotonic() < deadline:
             results = consumer.worker.get_transfer_results()
             if results.failed_recving:
-                outcome["error"] = "the consumer failed the receive (see the log)"
+                outcome[rank] = f"consumer rank {rank} failed the receive (see the log)"
                 return
             if results.finished_recving:
-                outcome["done"] = time.perf_counter()
+                outcome[rank] = time.perf_counter()
                 return
             time.sleep(0.0005)
-        outcome["error"] = f"no complete receive in {RECEIVE_TIMEOUT_S:.0f} s"
+        outcome[rank] = f"no complete receive on consumer rank {rank} in {RECEIVE_TIMEOUT_S:.0f} s"
 
-    receiver = threading.Thread(target=receive)
-    receiver.start()
+    for consumer in consumers:
+        consumer.worker.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec(
+            "r", transfer_id, (consumer.block_ids,), 0, num_tokens)]))
+    receivers = [threading.Thread(target=receive, args=(rank, consumer)) for rank, consumer in enumerate(consumers)]
+    for receiver in receivers:
+        receiver.start()
     start = time.perf_counter()
     for first in range(0, num_tokens, chunk):
-        send = SendSpec("r", transfer_id, peer, (producer.block_ids,), first, min(first + chunk, num_tokens),
-                        num_tokens)
-        producer.worker.on_metadata(PrfaasConnectorMetadata(sends=[send]))
-        for name in producer.names:
-            producer.worker.save_kv_layer(name)
-        producer.worker.wait_for_save()
-    receiver.join()
-    if "error" in outcome:
-        raise RuntimeError(f"transfer {transfer_id}: {outcome['error']}")
-    return float(outcome["done"]) - start
+        for producer in producers:
+            send = SendSpec("r", transfer_id, peer, (producer.block_ids,), first, min(first + chunk, num_tokens),
+                            num_tokens, len(consumers))
+            producer.worker.on_metadata(PrfaasConnectorMetadata(sends=[send]))
+            for name in producer.names:
+                producer.worker.save_kv_layer(name)
+            producer.worker.wait_for_save()
+    for receiver in receivers:
+        receiver.join()
+    if errors := [value for value in outcome.values() if isinstance(value, str)]:
+        raise RuntimeError(f"transfer {transfer_id}: {'; '.join(errors)}")
+    return max(float(value) for value in outcome.values()) - start
 
 
-def run_pairing(model: Model, prefill_block: int, decode_block: int, args) -> Result:
-    producer = Engine(model, prefill_block, args.tokens, fill=True, listen=False)
-    consumer = Engine(model, decode_block, args.tokens, fill=False, listen=True)
+def run_pairing(model: Model, pairing: tuple[int, int, int, int], args) -> Result:
+    prefill_block, decode_block, prefill_tp, decode_tp = pairing
+    port = consecutive_ports(decode_tp)
+    producers = [Engine(model, prefill_block, args.tokens, True, None, prefill_tp, rank) for rank in range(prefill_tp)]
+    consumers = [Engine(model, decode_block, args.tokens, False, port + rank, decode_tp, rank)
+                 for rank in range(decode_tp)]
     try:
-        transfer(producer, consumer, "warm-up", args.tokens, args.chunk)
-        before = sent_bytes(producer)
-        seconds = [transfer(producer, consumer, f"round-{i}", args.tokens, args.chunk) for i in range(args.rounds)]
-        wire = (sent_bytes(producer) - before) // args.rounds
-        for name in consumer.names:
-            if not torch.equal(consumer.tokens(name, args.tokens), producer.tokens(name, args.tokens)):
-                raise RuntimeError(f"{prefill_block} -> {decode_block}: layer {name} differs after the transfer")
+        transfer(producers, consumers, port, "warm-up", args.tokens, args.chunk)
+        before = sent_bytes(producers)
+        seconds = [transfer(producers, consumers, port, f"round-{i}", args.tokens, args.chunk)
+                   for i in range(args.rounds)]
+        wire = (sent_bytes(producers) - before) // args.rounds
+        for name in consumers[0].names:
+            if not torch.equal(all_heads(consumers, name, args.tokens), all_heads(producers, name, args.tokens)):
+                raise RuntimeError(f"{pairing}: layer {name} differs after the transfer")
         payload = model.kv_bytes_per_token * _sent_tokens(args, prefill_block)
-        return Result(prefill_block, decode_block, wire, model.kv_bytes_per_token * args.tokens, payload,
-                      median(seconds))
+        return Result(prefill_block, decode_block, prefill_tp, decode_tp, wire, model.kv_bytes_per_token * args.tokens,
+                      payload, median(seconds))
     finally:
-        producer.close()
-        consumer.close()
+        for engine in producers + consumers:
+            engine.close()
 
 
 def _sent_tokens(args, block_size: int) -> int:
@@ -178,24 +220,8 @@ def _sent_tokens(args, block_size: int) -> int:
     return math.ceil(args.tokens / block_size) * block_size
 
 
-def sent_bytes(engine: Engine) -> int:
-    return sum(peer.bytes_sent for peer in engine.worker.streams.snapshot().peers)
-
-
-def planned_rows(model: Model) -> list[str]:
-    rows = []
-    for src_tp, dst_tp in PLANNED_TP:
-        def ranks(tp: int) -> list[LayoutSpec]:
-            engine = SimpleNamespace(block_size=128, num_kv_heads=max(1, model.kv_heads // tp),
-                                     head_size=model.head_size, dtype=TORCH_DTYPES[model.dtype])
-            names = [f"layers.{i}" for i in range(model.layers)]
-            config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=engine)])
-            return [spec_from_vllm(model.name, config, names, rank, tp, model.kv_heads) for rank in range(tp)]
-
-        plan = plan_mapping(ranks(src_tp), ranks(dst_tp))
-        what = plan.reason if isinstance(plan, Unmappable) else f"planned wire/KV {wire_cost(plan).ratio:.3f}"
-        rows.append(f"  TP {src_tp} -> TP {dst_tp}: {what} (head slicing: not carried yet)")
-    return rows
+def sent_bytes(engines: list[Engine]) -> int:
+    return sum(peer.bytes_sent for engine in engines for peer in engine.worker.streams.snapshot().peers)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -217,24 +243,22 @@ def main(argv=None) -> int:
           f"{model.dtype}: {model.kv_bytes_per_token} B of KV per token; {args.tokens} tokens per transfer, "
           f"chunks of {args.chunk}, {args.rounds} rounds", flush=True)
     results = []
-    for prefill_block, decode_block in PAIRINGS:
-        print(f"block size {prefill_block} -> {decode_block} ...", flush=True)
-        results.append(run_pairing(model, prefill_block, decode_block, args))
-    same = next(r.seconds for r in results if r.prefill_block == r.decode_block)
-    print(f"\n{'blocks':>12} {'KV MB':>8} {'wire MB':>8} {'wire/KV':>8} {'padding':>8} {'framing':>8} "
+    for pairing in PAIRINGS:
+        print("block size {} -> {}, TP {} -> {} ...".format(*pairing), flush=True)
+        results.append(run_pairing(model, pairing, args))
+    same = results[0].seconds
+    print(f"\n{'pairing':>22} {'KV MB':>8} {'wire MB':>8} {'wire/KV':>8} {'padding':>8} {'framing':>8} "
           f"{'ms':>7} {'GB/s':>6} {'time vs same':>12}")
     for r in results:
         padding = (r.payload_bytes - r.kv_bytes) / r.kv_bytes
         framing = (r.wire_bytes - r.payload_bytes) / r.kv_bytes
-        print(f"{r.prefill_block:>5} -> {r.decode_block:<4} {r.kv_bytes / 1e6:>8.1f} {r.wire_bytes / 1e6:>8.1f} "
+        print(f"{r.name:>22} {r.kv_bytes / 1e6:>8.1f} {r.wire_bytes / 1e6:>8.1f} "
               f"{r.ratio:>8.4f} {padding:>8.2%} {framing:>8.3%} {r.seconds * 1e3:>7.1f} "
               f"{r.kv_bytes / r.seconds / 1e9:>6.2f} {r.seconds / same:>12.2f}")
-    print("planned, not measured:")
-    print("\n".join(planned_rows(model)))
     worst = max(results, key=lambda r: r.ratio)
     return verdict("hetero layouts: worst wire bytes per KV byte", worst.ratio, TARGET,
-                   f"block sizes {worst.prefill_block} -> {worst.decode_block}, {len(results)} pairings, "
-                   f"{args.tokens} tokens, every token checked", higher_is_better=False)
+                   f"{worst.name}, {len(results)} pairings, {args.tokens} tokens, every token checked",
+                   higher_is_better=False)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.config.cache_pool_checks import check_cache_pools
 from services.config.errors import ConfigError
 from services.config.scheduler_checks import check_scheduler
-from services.config.schema import DeploymentConfig, EngineConfig
+from services.config.schema import DeploymentConfig, EngineConfig, WorkerConfig
 from services.kv_transport.settings import SettingsError, TransportSettings
 
 PORT_KEYS = ("port", "kv_port", "health_port")
@@ -34,12 +34,16 @@ def _check_workers(config: DeploymentConfig) -> None:
     seen = {(config.router.host, config.router.port)}
     for i, worker in enumerate(config.workers):
         for key in PORT_KEYS:
-            endpoint = (worker.host, getattr(worker, key))
-            if endpoint[1] is None:
+            first = getattr(worker, key)
+            if first is None:
                 continue
-            if endpoint in seen:
-                raise ConfigError(f"workers[{i}].{key}: {endpoint[0]}:{endpoint[1]} is already used")
-            seen.add(endpoint)
+            # an engine's TP rank r receives KV at kv_port + r
+            ranks = _tp_size(config, worker) if key == "kv_port" else 1
+            for endpoint in ((worker.host, first + rank) for rank in range(ranks)):
+                if endpoint in seen:
+                    what = f" (TP rank {endpoint[1] - first}'s KV port)" if endpoint[1] != first else ""
+                    raise ConfigError(f"workers[{i}].{key}: {endpoint[0]}:{endpoint[1]}{what} is already used")
+                seen.add(endpoint)
     if not any(w.service == "decode_worker" and w.role != "prefill" for w in config.workers):
         raise ConfigError("workers: at least one decode_worker with role `decode` or `both` is required")
     for i, worker in enumerate(config.workers):
@@ -47,15 +51,27 @@ def _check_workers(config: DeploymentConfig) -> None:
             value = getattr(worker, key)
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"workers[{i}].{key}: {value} is not a TCP port")
+        if worker.kv_port is not None and worker.kv_port + _tp_size(config, worker) - 1 > 65535:
+            raise ConfigError(f"workers[{i}].kv_port: {worker.kv_port} leaves no port for each of the engine's "
+                              f"{_tp_size(config, worker)} TP ranks (rank r receives at kv_port + r)")
         unknown = set(worker.engine) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"workers[{i}].engine.{sorted(unknown)[0]}: unknown engine key")
         overridden = {"max_num_batched_tokens", "enable_chunked_prefill"} & set(worker.engine)
         _check_whole_prompt_steps(config, config.engine_for(worker), f"workers[{i}].engine" if overridden else "engine")
+        tp_size = config.engine_for(worker).tensor_parallel_size
+        if type(tp_size) is not int or tp_size < 1:
+            where = f"workers[{i}].engine" if "tensor_parallel_size" in worker.engine else "engine"
+            raise ConfigError(f"{where}.tensor_parallel_size: {tp_size!r} is not a positive number of ranks")
         block_size = config.engine_for(worker).block_size
         if block_size is not None and (type(block_size) is not int or block_size < 1):
             where = f"workers[{i}].engine" if "block_size" in worker.engine else "engine"
             raise ConfigError(f"{where}.block_size: {block_size!r} is not a positive number of tokens")
+
+
+def _tp_size(config: DeploymentConfig, worker: WorkerConfig) -> int:
+    size = worker.engine.get("tensor_parallel_size", config.engine.tensor_parallel_size)
+    return size if type(size) is int and size > 0 else 1
 
 
 def _check_whole_prompt_steps(config: DeploymentConfig, engine: EngineConfig, where: str) -> None:

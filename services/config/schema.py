@@ -71,7 +71,8 @@ class WorkerConfig:
     port: int = field(metadata=_help("gRPC port of the worker."))
     kv_port: int | None = _opt(
         None, "KV data-plane port (TCP) where the worker receives streamed KV; needed on workers that "
-        "decode requests prefilled elsewhere (the PrfaaS and PD-P paths).")
+        "decode requests prefilled elsewhere (the PrfaaS and PD-P paths). An engine of several TP ranks "
+        "uses the ports after it too: rank r receives at `kv_port + r`.")
     health_port: int | None = _opt(
         None, "Plaintext port serving only `grpc.health.v1`, for probes that cannot do TLS (Kubernetes gRPC "
         "probes); it tells whether the worker is SERVING and nothing else. Null: health on `port` only.")

@@ -31,7 +31,8 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         bind_request_id(request.request_id)
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        if request.kv_target and (why := self._guard.kv_targets.refusal(request.kv_target)) is not None:
+        tp_size = max(1, request.kv_target_tp_size)
+        if request.kv_target and (why := self._guard.kv_targets.refusal(request.kv_target, tp_size)) is not None:
             self._guard.rejections.count("unknown_peer")
             logger.warning("request %s: refused Prefill from %s: %s", request.request_id, context.peer(), why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)

@@ -46,7 +46,9 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
             transport = self.settings.transport_settings
-            self.worker = PrfaasConnectorWorker(self.settings.open_streams, transport.recv_idle_timeout_s,
+            tp_rank = _tp_rank()
+            self.worker = PrfaasConnectorWorker(lambda: self.settings.open_streams(tp_rank),
+                                                transport.recv_idle_timeout_s,
                                                 self.settings.max_early_bytes, self.settings.layerwise,
                                                 transport.recv_first_frame_timeout_s)
             self.pool_worker = PoolWorker(*pool) if pool else None
@@ -142,6 +144,15 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         if self.pool_io is not None:
             self.pool_io.close()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # model parallelism not initialised: a single rank
+        return 0
 
 
 def rank_spec(vllm_config, kv_cache_config, layer_names: list[str]) -> LayoutSpec | None:

@@ -188,18 +188,29 @@ def _continues(last: Piece, piece: Piece) -> bool:
 
 
 def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str | None:
-    """Why the KV data path cannot carry ``layout_map`` yet, or None. It sends each producer rank's
-    pages to the consumer rank of the same number, so TP sizes must be equal; block sizes may differ
-    where the consumer can re-block, which needs both attention cache layouts known to be the one
-    ``layout_apply`` reads (``CPU_K_TRANSPOSED``)."""
-    if layout_map.producer_tp != layout_map.consumer_tp:
-        return (f"the layouts map only by head slicing (TP {layout_map.producer_tp} -> {layout_map.consumer_tp}), "
-                "which the KV data path does not carry yet")
-    if layout_map.is_identity or src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
+    """Why the KV data path cannot carry ``layout_map`` yet, or None. Identical layouts travel as
+    whole pages. Otherwise each producer rank sends each consumer rank its pieces and the consumer
+    re-blocks them, which needs both attention caches in the layout ``layout_apply`` reads
+    (``CPU_K_TRANSPOSED``); a consumer that replicates KV heads (more TP ranks than heads) would have
+    to fill its replicas from the rank that received them, which the data path does not do yet."""
+    if layout_map.is_identity:
         return None
-    return (f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking, which needs both "
-            f"attention caches in the layout of vLLM's CPU kernels (announced: {src.cache_layout or 'unknown'} -> "
-            f"{dst.cache_layout or 'unknown'})")
+    if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
+        what = (f"TP {layout_map.producer_tp} -> {layout_map.consumer_tp} needs head slicing"
+                if layout_map.producer_tp != layout_map.consumer_tp
+                else f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking")
+        return (f"{what}, which needs both attention caches in the layout of vLLM's CPU kernels (announced: "
+                f"{src.cache_layout or 'unknown'} -> {dst.cache_layout or 'unknown'})")
+    replicated = next((piece for layer in layout_map.layers for piece in layer.pieces if piece.replicas), None)
+    if replicated is not None:
+        return (f"the consumer's TP {layout_map.consumer_tp} replicates {replicated.part} units of layer "
+                f"{replicated.layer} on several ranks, which the KV data path does not fill yet")
+    return None
+
+
+def sending_ranks(layout_map: LayoutMap, dst_rank: int) -> tuple[int, ...]:
+    """The producer ranks that send consumer rank ``dst_rank`` anything."""
+    return tuple(sorted({piece.src_rank for piece in layout_map.pieces_to(dst_rank)}))
 
 
 # Re-blocking ---------------------------------------------------------------------------------

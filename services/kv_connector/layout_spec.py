@@ -187,6 +187,26 @@ class LayoutSpec:
     def for_rank(self, tp_rank: int) -> LayoutSpec:
         return replace(self, tp_rank=tp_rank)
 
+    def at_tp(self, tp_size: int, tp_rank: int = 0) -> LayoutSpec:
+        """The same model's layout on a rank of an engine with ``tp_size`` ranks, as far as mapping
+        needs it (units per rank; a state page at least its states): what a producer plans a send to
+        a consumer of another TP size with. Raises ``ValueError`` where a dimension does not split."""
+        def shard(part: Sharded) -> Sharded:
+            local = replace(part, num_local_units=max(1, part.num_units // tp_size))
+            if problem := local.split_problem(tp_size):
+                raise ValueError(problem)
+            return local
+
+        def layer_at(layer: Layer) -> Layer:
+            if isinstance(layer, AttentionLayer):
+                return replace(layer, kv=shard(layer.kv))
+            conv, temporal = tuple(shard(part) for part in layer.conv), shard(layer.temporal)
+            states = (sum(part.local_size for part in conv) * layer.conv_state_len * DTYPE_BYTES[layer.conv_dtype]
+                      + temporal.local_size * DTYPE_BYTES[layer.temporal_dtype])
+            return replace(layer, conv=conv, temporal=temporal, page_bytes=max(layer.page_bytes, states))
+
+        return replace(self, tp_rank=tp_rank, tp_size=tp_size, layers=tuple(layer_at(layer) for layer in self.layers))
+
     def to_bytes(self) -> bytes:
         data = asdict(self)
         for layer, encoded in zip(self.layers, data["layers"]):

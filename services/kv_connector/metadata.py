@@ -22,6 +22,7 @@ class SendSpec:
     start: int
     end: int
     num_tokens: int
+    peer_tp_size: int = 1  # the consumer engine's TP size: its rank r receives at peer's port + r
 
     @property
     def is_last(self) -> bool:

@@ -1,15 +1,19 @@
-"""The consumer's half of a transfer between engines whose block sizes differ (issue 19).
+"""The consumer's half of a transfer between engines whose layouts differ (issue 19): other block
+sizes, another TP size, or both.
 
-A producer announces its layout once per transfer, in the LAYOUT frame: its fingerprint (equal on
-identical layouts, whose pages are copied as they are) and its ``LayoutSpec``. Where the fingerprints
-differ, the consumer plans a map from the two specs; when the data path carries it
-(``layout_map.data_path_problem``: equal TP sizes, both caches as vLLM's CPU kernels lay them out), a ``Reblocker``
-writes each attention frame, blocks of the producer's size, token by token into the request's blocks
-of this engine's size, and each state page component by component (a state page's padding follows
-the attention page, so its size may differ). Plans are cached by the announcement's bytes.
+A producer rank announces its layout once per transfer, in the LAYOUT frame: its fingerprint (equal
+on identical layouts, whose pages are copied as they are) and its ``LayoutSpec``. Where the
+fingerprints differ, the consumer plans a map from the two specs; when the data path carries it
+(``layout_map.data_path_problem``), a ``Reblocker`` writes each attention frame (the producer's
+blocks; with another TP size, only the heads this rank owns) token by token into the request's
+blocks of this engine's size, and each state page component by component (with another TP size,
+each conv component's and the temporal state's share of this rank on its own; a state page's
+padding follows the attention page, so its size may differ). Plans are cached by the announcement's
+bytes.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -17,14 +21,16 @@ import torch
 
 from services.kv_connector.layout import KVLayout, LayerInfo
 from services.kv_connector.layout_apply import (
+    TORCH_DTYPES,
     attention_view,
     conv_state_view,
     from_payload,
     state_page,
     temporal_state_view,
     write_attention,
+    write_state,
 )
-from services.kv_connector.layout_map import Piece, Unmappable, data_path_problem, plan_mapping
+from services.kv_connector.layout_map import Piece, Unmappable, data_path_problem, plan_mapping, sending_ranks
 from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
 
 SEPARATOR = b"\n"
@@ -41,51 +47,81 @@ def fingerprint_of(payload: bytes) -> str:
 
 
 class Reblocker:
-    """Writes frames of a producer whose block sizes differ from this engine's (same TP size)."""
+    """Writes the frames of one producer rank whose layout differs from this rank's: block sizes
+    (re-blocked token by token), TP size (each frame holds this rank's ``pieces`` of the layer, in the
+    map's order: ``tp_routes`` sends them so), or both. ``sending_ranks``: every producer rank that
+    sends this rank something; the transfer is complete once each has finished."""
 
-    def __init__(self, src: LayoutSpec, dst: LayoutSpec, layout: KVLayout) -> None:
+    def __init__(self, src: LayoutSpec, dst: LayoutSpec, layout: KVLayout, pieces: Sequence[Piece],
+                 sending_ranks: tuple[int, ...]) -> None:
         self.src, self.dst, self._layout = src, dst, layout
+        self.sending_ranks = sending_ranks
+        self.sliced = src.tp_size != dst.tp_size  # frames hold pieces, not the producer's whole pages
         self._src_layers = {layer.name: layer for layer in src.layers}
         self._dst_layers = {layer.name: layer for layer in dst.layers}
+        self._pieces: dict[str, list[Piece]] = {}
+        for piece in pieces:
+            self._pieces.setdefault(src.layers[piece.layer].name, []).append(piece)
 
     def attention_payload_bytes(self, layer: LayerInfo, num_blocks: int) -> int:
         spec = self._src_layers[layer.name]
         assert isinstance(spec, AttentionLayer)
-        return (num_blocks * spec.kv.num_local_units * self.src.block_sizes[spec.group] * 2 * spec.head_size
-                * DTYPE_BYTES[self.src.dtype])
+        units = sum(piece.num_units for piece in self._pieces.get(layer.name, ()))
+        return num_blocks * units * self.src.block_sizes[spec.group] * 2 * spec.head_size * DTYPE_BYTES[self.src.dtype]
 
     def src_block_size(self, layer: LayerInfo) -> int:
         return self.src.block_sizes[self._src_layers[layer.name].group]
 
     def write_attention(self, layer: LayerInfo, block_ids: Sequence[int | None], first_block: int,
                         num_blocks: int, payload: memoryview) -> None:
-        """Producer blocks ``[first_block, first_block + num_blocks)`` of the request into its
-        consumer blocks ``block_ids`` (None: skipped, as cached or null)."""
+        """Producer blocks ``[first_block, first_block + num_blocks)`` of the request, this rank's
+        heads of them, into its consumer blocks ``block_ids`` (None: skipped, as cached or null)."""
         src, dst = self._src_layers[layer.name], self._dst_layers[layer.name]
         assert isinstance(src, AttentionLayer) and isinstance(dst, AttentionLayer)
         src_block_size = self.src.block_sizes[src.group]
-        source = from_payload(payload, self.src.dtype,
-                              (num_blocks, src.kv.num_local_units, 2, src_block_size, src.head_size))
         view = attention_view(self._layout.caches[layer.name], dst, self.dst.block_sizes[dst.group])
-        heads = Piece(0, dst.kv.name, 0, dst.kv.num_local_units, 0, 0, 0, 0)
-        write_attention(view, block_ids, source, heads, first_block, src_block_size)
+        offset = 0
+        for piece in self._pieces.get(layer.name, ()):
+            shape = (num_blocks, piece.num_units, 2, src_block_size, src.head_size)
+            size = math.prod(shape) * DTYPE_BYTES[self.src.dtype]
+            source = from_payload(payload[offset:offset + size], self.src.dtype, shape)
+            write_attention(view, block_ids, source, piece, first_block, src_block_size)
+            offset += size
 
     def fits_state_page(self, layer: LayerInfo, num_bytes: int) -> bool:
-        """Whether ``num_bytes`` can be one of the producer's state pages: its conv and temporal
-        states, and at most the padding up to its page size (vLLM registers a state layer's pages
-        with or without it)."""
+        """Whether ``num_bytes`` can be what the producer sends of a state page: this rank's pieces of
+        it (sliced), or its whole page: conv and temporal states, and at most the padding up to its page
+        size (vLLM registers a state layer's pages with or without it)."""
         spec = self._src_layers[layer.name]
         assert isinstance(spec, LinearLayer)
+        if self.sliced:
+            return num_bytes == sum(self._piece_bytes(spec, piece) for piece in self._pieces.get(layer.name, ()))
         return spec.conv_bytes + spec.temporal_bytes <= num_bytes <= spec.page_bytes
 
     def write_state(self, layer: LayerInfo, block_id: int, payload: memoryview) -> None:
-        """A producer's state page into page ``block_id``, conv and temporal state each on its own."""
+        """A producer's state page (or this rank's pieces of it) into page ``block_id``, conv and
+        temporal state each on its own, and with TP slicing each conv component on its own."""
         src, dst = self._src_layers[layer.name], self._dst_layers[layer.name]
         assert isinstance(src, LinearLayer) and isinstance(dst, LinearLayer)
         source = torch.frombuffer(payload, dtype=torch.uint8)
         target = state_page(self._layout.caches[layer.name], block_id)
-        conv_state_view(target, dst).copy_(conv_state_view(source, src))
-        temporal_state_view(target, dst).copy_(temporal_state_view(source, src))
+        if not self.sliced:
+            conv_state_view(target, dst).copy_(conv_state_view(source, src))
+            temporal_state_view(target, dst).copy_(temporal_state_view(source, src))
+            return
+        offset = 0
+        for piece in self._pieces.get(layer.name, ()):
+            size = self._piece_bytes(src, piece)
+            dtype = src.temporal_dtype if piece.part == src.temporal.name else src.conv_dtype
+            write_state(target, dst, piece, source[offset:offset + size].view(TORCH_DTYPES[dtype]))
+            offset += size
+
+    @staticmethod
+    def _piece_bytes(layer: LinearLayer, piece: Piece) -> int:
+        if piece.part == layer.temporal.name:
+            return piece.num_units * layer.temporal.unit_size * DTYPE_BYTES[layer.temporal_dtype]
+        unit_size = next(part.unit_size for part in layer.conv if part.name == piece.part)
+        return piece.num_units * unit_size * layer.conv_state_len * DTYPE_BYTES[layer.conv_dtype]
 
 
 class ReblockPlans:
@@ -126,6 +162,7 @@ class ReblockPlans:
             return f"{mismatch}: {problem}"
         if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
             return f"{mismatch}: re-blocking reads the cache layout of vLLM's CPU kernels only"
-        if src.tp_rank != dst.tp_rank:
-            return f"{mismatch}: producer TP rank {src.tp_rank} sent to consumer TP rank {dst.tp_rank}"
-        return Reblocker(src, dst, self._layout)
+        pieces = [piece for piece in result.pieces_to(dst.tp_rank) if piece.src_rank == src.tp_rank]
+        if not pieces:
+            return f"{mismatch}: producer TP rank {src.tp_rank} holds nothing for consumer TP rank {dst.tp_rank}"
+        return Reblocker(src, dst, self._layout, pieces, sending_ranks(result, dst.tp_rank))

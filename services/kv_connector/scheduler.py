@@ -124,7 +124,7 @@ class PrfaasConnectorScheduler:
         producing.num_sent_tokens = end
         block_ids = tuple(tuple(ids) for ids in producing.block_ids)
         meta.sends.append(SendSpec(req_id, producing.params.transfer_id, producing.params.peer, block_ids,
-                                   start, end, producing.num_tokens))
+                                   start, end, producing.num_tokens, producing.params.peer_tp_size))
 
 
 def _consumes(params: KvTransfer | None) -> bool:

@@ -63,7 +63,9 @@ class ConnectorSettings:
 
         return GrpcSecurity.from_sections(build(SecurityConfig, self.security, "security"), self.transport)
 
-    def open_streams(self):
+    def open_streams(self, tp_rank: int = 0):
+        """The transport of one TP rank: rank r of a receiving engine listens at ``listen_port + r``."""
         from services.kv_transport import KVTransport, TransportSettings
 
-        return KVTransport(TransportSettings.of(self.transport), self.listen_host, self.listen_port)
+        port = self.listen_port + tp_rank if self.listen_port is not None else None
+        return KVTransport(TransportSettings.of(self.transport), self.listen_host, port)

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
-from services.kv_connector.layout_spec import LayoutSpec
+from services.kv_connector.layout_apply import attention_view, slice_attention, slice_state, state_page
+from services.kv_connector.layout_spec import Layer, LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.reblock import Reblocker, ReblockPlans, announcement
 from services.kv_connector.stats import INTERVAL_S
+from services.kv_connector.tp_routes import Route, expected_wire_ids, plan_routes, rank_peer, transfer_of, wire_id
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSnapshot
 
 logger = logging.getLogger(__name__)
@@ -35,15 +37,27 @@ STAGED_TIMEOUT_S = 120.0
 
 
 @dataclass(slots=True)
+class _Stream:
+    """One producer rank's stream of a transfer (``tp_routes.wire_id``)."""
+    layout_known: bool = False  # its LAYOUT frame arrived; its KV before that is staged
+    reblock: Reblocker | None = None  # its layout differs from ours (block sizes, TP size)
+    done: bool = False
+
+
+@dataclass(slots=True)
 class _Receiving:
     spec: RecvSpec | None = None
     early_frames: list[Frame] = field(default_factory=list)
     early_bytes: int = 0
-    done: bool = False
     started: bool = False  # some KV (or the transfer's end) arrived
-    layout_known: bool = False  # the producer's LAYOUT frame arrived; KV before it is staged
-    reblock: Reblocker | None = None  # the producer's block sizes differ from ours
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    expected: frozenset[str] | None = None  # the streams that complete it, from the first LAYOUT frame
     last_activity: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return self.expected is not None and all(
+            wire in self.streams and self.streams[wire].done for wire in self.expected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +71,16 @@ class PrfaasConnectorWorker:
                  first_frame_timeout_s: float | None = None) -> None:
         self._streams_factory = streams_factory
         self._layerwise = layerwise
-        self._deferred: dict[str, list[tuple]] = {}  # send-after-prefill mode: frames held to the end
+        self._deferred: dict[str, list[tuple]] = {}  # send-after-prefill mode: (peer, wire id, frame) held to the end
         self._idle_timeout_s = idle_timeout_s
         self._first_frame_timeout_s = max(idle_timeout_s, first_frame_timeout_s or idle_timeout_s)
         self._max_early_bytes = max_early_bytes
         self.layout: KVLayout | None = None
         self.streams: KVTransport | None = None
         self._announcement = b""  # this engine's LAYOUT frame payload
+        self._spec: LayoutSpec | None = None
         self._plans: ReblockPlans | None = None
+        self._routes: dict[int, list[Route]] = {}  # by the consumer's TP size
         self._sends: list[SendSpec] = []
         self._unannounced: set[str] = set()  # transfers starting this step whose LAYOUT frame is not sent
         self._idle_step = False
@@ -77,6 +93,8 @@ class PrfaasConnectorWorker:
         """``spec``: this rank's layout as ``layout_spec`` describes it (None: this engine can receive
         only from identical layouts)."""
         self.layout = layout
+        self._spec = spec
+        self._spec_layers = {item.name: item for item in spec.layers} if spec is not None else {}
         self._announcement = announcement(layout.fingerprint, spec)
         self._plans = ReblockPlans(layout, spec)
         self.streams = self._streams_factory()
@@ -112,38 +130,73 @@ class PrfaasConnectorWorker:
         for send in self._sends:
             self._announce(send)
             if send.is_last:
-                for frame in self._deferred.pop(send.transfer_id, ()):
-                    self.streams.send(send.peer, send.transfer_id, *frame)
+                for peer, wire, frame in self._deferred.pop(send.transfer_id, ()):
+                    self.streams.send(peer, wire, *frame)
                 for layer in self.layout.state_layers:
                     self._send_state_page(send, layer)
-                self.streams.finish(send.peer, send.transfer_id)
+                for peer, wire, _ in self._destinations(send):
+                    self.streams.finish(peer, wire)
                 logger.debug("request %s: all KV handed to the transport", send.transfer_id)
         self._sends = []
+
+    def _destinations(self, send: SendSpec) -> list[tuple[str, str, Route]]:
+        """(address, wire id, route) of each consumer rank this rank sends ``send`` to."""
+        routes = self._routes.get(send.peer_tp_size)
+        if routes is None:
+            routes, problem = plan_routes(self._spec, send.peer_tp_size)
+            if problem:
+                logger.error("KV for a consumer of TP %d goes to its rank %d as whole pages, which it will refuse: "
+                             "%s", send.peer_tp_size, routes[0].dst_rank, problem)
+            self._routes[send.peer_tp_size] = routes
+        wire = wire_id(send.transfer_id, self._spec)
+        return [(rank_peer(send.peer, route.dst_rank), wire, route) for route in routes]
 
     def _announce(self, send: SendSpec) -> None:
         if send.transfer_id in self._unannounced:
             self._unannounced.discard(send.transfer_id)
-            self.streams.send_layout(send.peer, send.transfer_id, self._announcement)
+            for peer, wire, _ in self._destinations(send):
+                self.streams.send_layout(peer, wire, self._announcement)
 
     def _send_attention_blocks(self, send: SendSpec, layer: LayerInfo) -> None:
         block_size = self.layout.block_size[layer.group]
         first = send.start // block_size
         last = -(-send.end // block_size) if send.is_last else send.end // block_size
-        ids = send.block_ids[layer.group][first:last]
+        ids = list(send.block_ids[layer.group][first:last])
         if not ids:
             return
-        frame = (layer.index, layer.group, first, len(ids), _bytes(self.layout.extract(layer, list(ids))))
-        if self._layerwise:
-            self.streams.send(send.peer, send.transfer_id, *frame)
-        else:
-            self._deferred.setdefault(send.transfer_id, []).append(frame)
+        for peer, wire, route in self._destinations(send):
+            if route.pieces is None:
+                payload = self.layout.extract(layer, ids)
+            elif pieces := route.pieces.get(layer.name):
+                view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
+                                      self.layout.block_size[layer.group])
+                payload = torch.cat([slice_attention(view, ids, piece).reshape(-1) for piece in pieces])
+            else:
+                continue
+            frame = (layer.index, layer.group, first, len(ids), _bytes(payload))
+            if self._layerwise:
+                self.streams.send(peer, wire, *frame)
+            else:
+                self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame))
 
     def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:
         block = state_block(send.block_ids[layer.group])
         if block == NULL_BLOCK:
             return
-        payload = self.layout.extract(layer, [block])
-        self.streams.send(send.peer, send.transfer_id, layer.index, layer.group, 0, 1, _bytes(payload))
+        for peer, wire, route in self._destinations(send):
+            if route.pieces is None:
+                payload = self.layout.extract(layer, [block])
+            elif pieces := route.pieces.get(layer.name):
+                page = state_page(self.layout.caches[layer.name], block)
+                spec = self._spec_layer(layer)
+                payload = torch.cat([slice_state(page, spec, piece).reshape(-1).view(torch.uint8)
+                                     for piece in pieces])
+            else:
+                continue
+            self.streams.send(peer, wire, layer.index, layer.group, 0, 1, _bytes(payload))
+
+    def _spec_layer(self, layer: LayerInfo) -> Layer:
+        return self._spec_layers[layer.name]
 
     # Consumer --------------------------------------------------------------------------------
 
@@ -154,58 +207,72 @@ class PrfaasConnectorWorker:
         for event in self.streams.poll(wait_s) if self.streams else ():
             self._on_event(event, failed)
         for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.spec is not None and receiving.layout_known and receiving.early_frames \
-                    and transfer_id not in failed:
+            if receiving.spec is not None and receiving.early_frames and transfer_id not in failed:
                 self._apply_early(transfer_id, receiving, failed)
         self._expire_idle(failed)
         return self._collect(failed)
 
     def _on_event(self, event, failed: dict[str, str]) -> None:
-        if event.transfer_id in self._forgotten:
+        transfer_id = transfer_of(event.transfer_id)
+        if transfer_id in self._forgotten:
             return
-        receiving = self._receiving.setdefault(event.transfer_id, _Receiving())
+        receiving = self._receiving.setdefault(transfer_id, _Receiving())
+        stream = receiving.streams.setdefault(event.transfer_id, _Stream())
         receiving.last_activity = time.monotonic()
         receiving.started = True
         if isinstance(event, TransferFailed):
-            failed[event.transfer_id] = event.reason
+            failed[transfer_id] = event.reason
         elif isinstance(event, TransferDone):
-            receiving.done = True
+            stream.done = True
+            if receiving.expected is None:  # ended without a LAYOUT frame: it had no KV to announce
+                receiving.expected = frozenset({event.transfer_id})
         elif event.is_layout:
-            if error := self._learn_layout(event, receiving):
-                failed[event.transfer_id] = error
-        elif receiving.spec is None or not receiving.layout_known:
-            self._stage_early(event, receiving, failed)
-        elif error := self._apply(event, receiving):
-            failed[event.transfer_id] = error
+            if error := self._learn_layout(event, transfer_id, receiving, stream):
+                failed[transfer_id] = error
+        elif receiving.spec is None or not stream.layout_known:
+            self._stage_early(event, transfer_id, receiving, failed)
+        elif error := self._apply(event, receiving, stream):
+            failed[transfer_id] = error
 
-    def _learn_layout(self, frame: Frame, receiving: _Receiving) -> str | None:
+    def _learn_layout(self, frame: Frame, transfer_id: str, receiving: _Receiving, stream: _Stream) -> str | None:
         plan = self._plans.plan(bytes(frame.payload))
         if isinstance(plan, str):
             return plan
-        receiving.reblock, receiving.layout_known = plan, True
+        stream.reblock, stream.layout_known = plan, True
+        expected = (expected_wire_ids(transfer_id, plan.src, plan.sending_ranks, frame.transfer_id)
+                    if plan is not None else frozenset({frame.transfer_id}))
+        if receiving.expected is None:
+            receiving.expected = expected
+        elif receiving.expected != expected:
+            return f"producer ranks announce different streams ({sorted(receiving.expected)} != {sorted(expected)})"
         return None
 
-    def _stage_early(self, frame: Frame, receiving: _Receiving, failed: dict[str, str]) -> None:
+    def _stage_early(self, frame: Frame, transfer_id: str, receiving: _Receiving, failed: dict[str, str]) -> None:
         receiving.early_frames.append(frame)
         receiving.early_bytes += len(frame.payload)
         if receiving.early_bytes > self._max_early_bytes:
-            failed[frame.transfer_id] = "more KV arrived before the engine allocated blocks than the staging budget"
+            failed[transfer_id] = "more KV arrived before the engine allocated blocks than the staging budget"
 
     def _apply_early(self, transfer_id: str, receiving: _Receiving, failed: dict[str, str]) -> None:
+        """Apply the staged frames whose stream's layout is known; keep the others staged."""
         frames, receiving.early_frames, receiving.early_bytes = receiving.early_frames, [], 0
         for frame in frames:
-            if error := self._apply(frame, receiving):
+            stream = receiving.streams[frame.transfer_id]
+            if not stream.layout_known:
+                receiving.early_frames.append(frame)
+                receiving.early_bytes += len(frame.payload)
+            elif error := self._apply(frame, receiving, stream):
                 failed[transfer_id] = error
                 return
 
-    def _apply(self, frame: Frame, receiving: _Receiving) -> str | None:
+    def _apply(self, frame: Frame, receiving: _Receiving, stream: _Stream) -> str | None:
         """Copy one frame into the request's blocks; returns an error text instead of raising."""
         spec = receiving.spec
         layer = self.layout.by_index.get(frame.layer)
         if layer is None or layer.group != frame.group:
             return f"frame for unknown layer {frame.layer} / group {frame.group}"
-        if receiving.reblock is not None:
-            return self._apply_reblocked(frame, layer, spec, receiving.reblock)
+        if stream.reblock is not None:
+            return self._apply_reblocked(frame, layer, spec, stream.reblock)
         ids = self._destination(layer, frame, spec)
         if ids is None:
             return (f"frame outside the request's blocks (layer {frame.layer}, "
@@ -286,7 +353,8 @@ class PrfaasConnectorWorker:
         if receiving is not None or reason != "abandoned by the engine":
             logger.warning("request %s: KV transfer dropped: %s", transfer_id, reason)
         if self.streams is not None:
-            self.streams.forget(transfer_id)
+            for wire in {transfer_id, *(receiving.streams if receiving is not None else ())}:
+                self.streams.forget(wire)
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)

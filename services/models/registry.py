@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.models import smollm2, tiny_hybrid
+from services.models import smollm2, tiny_dense, tiny_hybrid
 
 PREPARERS = {
     smollm2.NAME: smollm2.prepare,
     tiny_hybrid.NAME: tiny_hybrid.prepare,
+    tiny_dense.NAME: tiny_dense.prepare,
 }
 
 

@@ -7,14 +7,9 @@ varied greedy tokens (vLLM's ``load_format="dummy"`` gives degenerate repeats).
 """
 from __future__ import annotations
 
-import logging
-import shutil
-import tempfile
 from pathlib import Path
 
-from services.models.cache import is_complete, mark_complete, models_dir
-
-logger = logging.getLogger(__name__)
+from services.models.cache import prepare_generated
 
 NAME = "tiny-qwen3-next"
 VOCAB_SIZE = 1024
@@ -26,37 +21,24 @@ CHAT_TEMPLATE = (
 
 def prepare(seed: int = 0, target: Path | None = None) -> Path:
     """Return the checkpoint directory for ``seed``, generating it on first use."""
-    target = target or models_dir() / f"{NAME}-seed{seed}"
-    if is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    staging.chmod(0o755)
-    try:
-        _generate(seed, staging)
-        mark_complete(staging)
-        if not is_complete(target):
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info("generated %s (seed %d) at %s", NAME, seed, target)
-    return target
+    return prepare_generated(NAME, seed, target, _generate)
+
+
+# What the tiny models share (tiny_dense too): sizes, heads, token ids, and the wide initialisation.
+SHARED_CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, initializer_range=0.2,
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     torch_dtype="bfloat16")
 
 
 def config():
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
+        **SHARED_CONFIG,
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         full_attention_interval=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
@@ -67,13 +49,6 @@ def config():
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
         decoder_sparse_step=1,
-        max_position_embeddings=8192,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="bfloat16",
     )
 
 
@@ -84,10 +59,10 @@ def _generate(seed: int, out: Path) -> None:
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(config()).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    _tokenizer().save_pretrained(out)
+    tokenizer().save_pretrained(out)
 
 
-def _tokenizer():
+def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -167,7 +167,8 @@ class Dispatcher:
             call = decode.decode.Generate(convert.generate_input_to_proto(consumer),
                                           timeout=self._config.request_timeout_s)
             prefill_call = prefill.prefill.Prefill(
-                convert.prefill_request_to_proto(request, decode.kv_address), timeout=self._config.request_timeout_s)
+                convert.prefill_request_to_proto(request, decode.kv_address, decode.tp_size),
+                timeout=self._config.request_timeout_s)
             prefill_task = asyncio.ensure_future(prefill_call)
         except BaseException:
             prefill.streams.release()

@@ -39,7 +39,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     pool = WorkerPool(config.workers, config.router, metrics,
                       BackoffConfig(scheduler.worker_backoff_s, scheduler.max_worker_backoff_s),
                       flippable=scheduler.role_flips.enabled, kv_high_watermark=scheduler.kv_high_watermark,
-                      security=GrpcSecurity.of(config))
+                      security=GrpcSecurity.of(config),
+                      tp_sizes={w.name: config.engine_for(w).tensor_parallel_size for w in config.workers})
     queues = PrefillQueues(scheduler.prefill_tokens_per_s, metrics)
     index = GlobalCacheIndex.from_config(config, scheduler.cache_lookup_timeout_ms / 1000) \
         if config.cache_pools else None

@@ -36,6 +36,7 @@ class WorkerHandle:
     health: health_pb2_grpc.HealthStub
     backoff: Backoff
     role: str = "both"
+    tp_size: int = 1  # the engine's tensor-parallel ranks; rank r receives KV at kv_port + r
     draining: bool = False
     healthy: bool = False
     num_in_flight: int = 0
@@ -96,13 +97,16 @@ class WorkerPool:
     def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics,
                  backoff: BackoffConfig = BackoffConfig(), flippable: bool = False,
                  kv_high_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic,
-                 security: GrpcSecurity = GrpcSecurity()) -> None:
-        """``flippable``: role flips are on, so single-role local PD workers get both stubs."""
+                 security: GrpcSecurity = GrpcSecurity(), tp_sizes: dict[str, int] | None = None) -> None:
+        """``flippable``: role flips are on, so single-role local PD workers get both stubs;
+        ``tp_sizes``: each worker's engine TP size where above 1 (from the deployment config)."""
         self._config = config
         self._metrics = metrics
         self._clock = clock
         self.kv_high_watermark = kv_high_watermark
         self._handles = {w.name: _connect(w, backoff, flippable, security) for w in workers}
+        for name, size in (tp_sizes or {}).items():
+            self._handles[name].tp_size = size
         self.layouts = LayoutNegotiation(metrics)
         self._poller: asyncio.Task | None = None
         self.on_poll: list[Callable[[], None]] = []

@@ -27,18 +27,26 @@ def colocated_greedy(model_path: str, prompts: list[list[int]], budgets: list[in
                      cpu: int = 0, **engine) -> list[str]:
     """Text of ``max_tokens`` greedy tokens (EOS ignored) per prompt, each prefilled with its budget,
     on one OpenMP thread bound to ``cpu``."""
-    return [text for text, _ in _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=False)]
+    return [text for text, *_ in _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=False)]
 
 
 def greedy_margins(model_path: str, prompts: list[list[int]], budgets: list[int], max_tokens: int,
                    cpu: int = 0, **engine) -> list[tuple[str, float]]:
     """As ``colocated_greedy``, with each answer's smallest logprob lead of the chosen token over the
     runner-up (0.0 where two candidates tie)."""
-    return [(text, margin) for text, margin in
+    return [(text, margin) for text, margin, _ in
             _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=True)]
 
 
-def _reference(model_path: str, prompts, budgets, max_tokens: int, cpu: int, engine: dict,
+def greedy_token_margins(model_path: str, prompts: list[list[int]], budgets: list[int], max_tokens: int,
+                         cpu: int | str = 0, **engine) -> list[tuple[list[int], float]]:
+    """As ``greedy_margins``, with token ids instead of text (a tiny random model's tokens often
+    decode to nothing). ``cpu``: "0|1" for an engine of two TP ranks."""
+    return [(tokens, margin) for _, margin, tokens in
+            _reference(model_path, prompts, budgets, max_tokens, cpu, engine, margins=True)]
+
+
+def _reference(model_path: str, prompts, budgets, max_tokens: int, cpu: int | str, engine: dict,
                margins: bool) -> list[list]:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as inputs:  # too long for a command line
         json.dump({"prompts": prompts, "budgets": budgets}, inputs)
@@ -47,7 +55,7 @@ def _reference(model_path: str, prompts, budgets, max_tokens: int, cpu: int, eng
                               timeout=300 + 3 * len(prompts))
 
 
-def _run_reference(model_path: str, inputs: str, max_tokens: int, engine: dict, cpu: int, margins: bool,
+def _run_reference(model_path: str, inputs: str, max_tokens: int, engine: dict, cpu: int | str, margins: bool,
                    timeout: float) -> list[list]:
     code = f"""
 import json
@@ -73,7 +81,7 @@ for budget in sorted(set(budgets)):
     for i, ids in enumerate(prompts):
         if budgets[i] == budget:
             output = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
-            texts[i] = [output.outputs[0].text, lead(output.outputs[0])]
+            texts[i] = [output.outputs[0].text, lead(output.outputs[0]), list(output.outputs[0].token_ids)]
     del llm
 print("RESULT" + json.dumps(texts))
 """

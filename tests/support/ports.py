@@ -5,6 +5,7 @@ A server a test starts in its own process binds port 0 and reports the port it g
 separate processes whose ports must be written into a config file before they start: it is racy
 (another process may take the port between this check and the service's bind), which those tests accept.
 """
+import contextlib
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports nothing listened on a moment ago (an engine of
+    ``count`` TP ranks receives KV at ``kv_port + rank``)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count - 1 > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first + 1, first + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 @contextmanager

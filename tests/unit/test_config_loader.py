@@ -24,6 +24,18 @@ def test_embedded_default_config_loads():
         ({"workers": [VALID_WORKER, {**VALID_WORKER, "name": "d1"}]},
          "workers[1].port: 127.0.0.1:50071 is already used"),
         ({"workers": [{**VALID_WORKER, "engine": {"bogus": 1}}]}, "workers[0].engine.bogus: unknown engine key"),
+        ({"workers": [{**VALID_WORKER, "kv_port": 50080, "engine": {"tensor_parallel_size": 2}},
+                      {**VALID_WORKER, "name": "d1", "port": 50081}]},
+         "workers[1].port: 127.0.0.1:50081 is already used"),
+        ({"workers": [{**VALID_WORKER, "kv_port": 50080, "health_port": 50083}], "engine": {"tensor_parallel_size": 4}},
+         "workers[0].health_port: 127.0.0.1:50083 is already used"),
+        ({"workers": [{**VALID_WORKER, "kv_port": 50080}, {**VALID_WORKER, "name": "d1", "port": 50072,
+                                                          "kv_port": 50079, "engine": {"tensor_parallel_size": 2}}]},
+         "workers[1].kv_port: 127.0.0.1:50080 (TP rank 1's KV port) is already used"),
+        ({"workers": [{**VALID_WORKER, "kv_port": 65535, "engine": {"tensor_parallel_size": 2}}]},
+         "workers[0].kv_port: 65535 leaves no port for each of the engine's 2 TP ranks"),
+        ({"workers": [{**VALID_WORKER, "engine": {"tensor_parallel_size": 0}}]},
+         "workers[0].engine.tensor_parallel_size: 0 is not a positive number of ranks"),
         ({"workers": [{**VALID_WORKER, "engine": {"block_size": 0}}]},
          "workers[0].engine.block_size: 0 is not a positive number of tokens"),
         ({"workers": [VALID_WORKER], "engine": {"block_size": -32}}, "engine.block_size: -32 is not a positive"),
@@ -71,3 +83,15 @@ def test_unreadable_and_invalid_yaml_files(tmp_path):
     bad.write_text("workers: [\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(bad)
+
+
+def test_the_kv_targets_a_prefill_may_dial_name_each_engines_tp_size():
+    from services.security.peers import decode_kv_targets
+
+    config = parse_config({"workers": [{**VALID_WORKER, "kv_port": 50080, "engine": {"tensor_parallel_size": 2}},
+                                       {**VALID_WORKER, "name": "d1", "port": 50072, "kv_port": 50090}]})
+    targets = decode_kv_targets(config)
+    assert targets.refusal("127.0.0.1:50080", 2) is None and targets.refusal("127.0.0.1:50090") is None
+    assert "runs 2 TP rank(s) in the deployment config, not 1" in targets.refusal("127.0.0.1:50080", 1)
+    assert "runs 1 TP rank(s) in the deployment config, not 4" in targets.refusal("127.0.0.1:50090", 4)
+    assert "is not one of the deployment's worker KV ports" in targets.refusal("127.0.0.1:50081", 1)

@@ -327,10 +327,17 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTAINERFILES = [ROOT / "deploy/container/Containerfile", ROOT / "deploy/container/Containerfile.cuda"]
 
 
+
+def _port_range(item: str) -> range:
+    """An EXPOSE item: a port or a range ``first-last``."""
+    first, _, last = item.partition("-")
+    return range(int(first), int(last or first) + 1)
+
 def containerfile_facts(path: Path) -> dict:
     text = path.read_text()
     user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
-    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
+    exposed = {port for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for item in line.split()
+               for port in _port_range(item)}
     cache_dir = re.search(r"PRFAAS_CACHE_DIR=(\S+)", text)
     return {"uid": int(user[1]), "gid": int(user[2]), "exposed": exposed, "cache_dir": cache_dir[1]}
 

@@ -57,16 +57,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_target", "transfer_id")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_target", "transfer_id", "kv_target_tp_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_target: str
     transfer_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_target: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    kv_target_tp_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_target: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kv_target_tp_size: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_cached_tokens", "prefill_seconds")

@@ -1,0 +1,84 @@
+"""Where one producer rank sends a request's KV (issue 19): to which consumer ranks, under which wire
+id, and which pieces of each layer.
+
+A consumer engine with TP size M receives on M ports: rank r at the worker's ``kv_port + r``. With
+equal TP sizes producer rank r sends its whole pages to consumer rank r. With different TP sizes it
+plans the ``LayoutMap`` from its own spec and the same model at the consumer's TP size, and sends
+each consumer rank that owns some of its units those pieces, layer by layer, in the map's order
+(the consumer plans the same map from the announcements and reads them in that order). A producer
+engine with several ranks names each rank's stream ``<transfer id>#p<rank>``, so that a consumer rank
+fed by several producer ranks completes the transfer only when every one of them has finished.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.kv_connector.layout_map import Piece, Unmappable, data_path_problem, plan_mapping
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, LayoutSpec
+
+WIRE_SEPARATOR = "#p"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One consumer rank and what goes there: ``pieces`` by layer name, or None for whole pages."""
+    dst_rank: int
+    pieces: dict[str, tuple[Piece, ...]] | None = None
+
+
+def wire_id(transfer_id: str, spec: LayoutSpec | None) -> str:
+    """The id of this rank's stream of ``transfer_id``."""
+    return transfer_id if spec is None or spec.tp_size == 1 else f"{transfer_id}{WIRE_SEPARATOR}{spec.tp_rank}"
+
+
+def transfer_of(wire: str) -> str:
+    """The transfer a stream belongs to."""
+    return wire.split(WIRE_SEPARATOR, 1)[0]
+
+
+def expected_wire_ids(transfer_id: str, src: LayoutSpec | None, sending_ranks: tuple[int, ...],
+                      wire: str) -> frozenset[str]:
+    """The streams a consumer rank waits for, learnt from one producer rank's announcement."""
+    if src is None or not sending_ranks:
+        return frozenset({wire})
+    return frozenset(wire_id(transfer_id, src.for_rank(rank)) for rank in sending_ranks)
+
+
+def rank_peer(peer: str, rank: int) -> str:
+    """Consumer rank ``rank``'s KV address, from the engine's (rank 0's) ``host:port``."""
+    if rank == 0:
+        return peer
+    host, _, port = peer.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
+def plan_routes(spec: LayoutSpec | None, consumer_tp: int) -> tuple[list[Route], str | None]:
+    """This rank's routes to a consumer engine of ``consumer_tp`` ranks, and why whole pages go to
+    one rank where the pieces cannot be planned (the consumer then refuses the announcement and
+    recomputes the prompt; the router does not pair such workers)."""
+    if spec is None:
+        return [Route(0)], None if consumer_tp == 1 else "this engine's layout has no description"
+    if consumer_tp == spec.tp_size:
+        return [Route(spec.tp_rank)], None
+    fallback = [Route(spec.tp_rank % consumer_tp)]
+    try:
+        consumer = spec.at_tp(consumer_tp)
+    except ValueError as error:
+        return fallback, f"the model does not split over the consumer's TP {consumer_tp}: {error}"
+    result = plan_mapping([spec.for_rank(r) for r in range(spec.tp_size)],
+                          [consumer.for_rank(r) for r in range(consumer_tp)])
+    if isinstance(result, Unmappable):
+        return fallback, result.reason
+    if spec.cache_layout != CPU_K_TRANSPOSED:
+        return fallback, "head slicing reads the cache layout of vLLM's CPU kernels only"
+    if problem := data_path_problem(result, spec, consumer.for_rank(0)):
+        return fallback, problem
+    routes = []
+    for dst_rank in range(consumer_tp):
+        pieces: dict[str, list[Piece]] = {}
+        for piece in result.pieces_to(dst_rank):
+            if piece.src_rank == spec.tp_rank:
+                pieces.setdefault(spec.layers[piece.layer].name, []).append(piece)
+        if pieces:
+            routes.append(Route(dst_rank, {name: tuple(group) for name, group in pieces.items()}))
+    return routes, None

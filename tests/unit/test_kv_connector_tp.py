@@ -1,0 +1,211 @@
+"""Head slicing between TP sizes (issue 19): producer ranks of one TP size stream a request's KV to
+the consumer ranks of another, through the connector's worker layer on both sides. Each consumer
+rank ends up with exactly the KV heads, the linear-attention heads and each conv component's share
+it owns, whichever producer ranks held them; block sizes may differ at the same time.
+
+The transport is a list of (address, frame) per producer rank (this tests the worker layer alone);
+real engines are covered by tests/e2e/test_hetero_tp.py.
+"""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.kv_connector.layout import KVLayout
+from services.kv_connector.layout_apply import (attention_view, conv_state_view, state_page, temporal_state_view,
+                                                token_view)
+from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
+from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
+from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_transport import Frame, TransferDone, protocol
+
+NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
+K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 2, 4, 2, 4, 3
+NUM_TOKENS = 100
+PEER = "127.0.0.1:7000"
+
+
+class _Wire:
+    """Stands in for one rank's KVTransport: sends are recorded with their address; ``poll`` hands
+    out what the test delivered."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+        self.pending: list = []
+
+    def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
+        self.sent.append((peer, Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT)))
+
+    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload) -> None:
+        self.sent.append((peer, Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload)))))
+
+    def finish(self, peer: str, transfer_id: str) -> None:
+        self.sent.append((peer, TransferDone(transfer_id)))
+
+    def poll(self, wait_s: float) -> list:
+        events, self.pending = self.pending, []
+        return events
+
+    def forget(self, transfer_id: str) -> None:
+        pass
+
+
+def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool) -> PrfaasConnectorWorker:
+    """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer,
+    group 1) at ``tp_size``, caches in vLLM's CPU layout, random (``fill``) or zero."""
+    heads, k_heads, v_heads = HEADS // tp_size, K_HEADS // tp_size, V_HEADS // tp_size
+    conv_dim = 2 * k_heads * K_DIM + v_heads * V_DIM
+    page_bytes = max(256, (conv_dim * STATE_LEN + v_heads * V_DIM * K_DIM) * 2)
+    state = SimpleNamespace(block_size=block_size, shapes=((STATE_LEN, conv_dim), (v_heads, V_DIM, K_DIM)),
+                            mamba_type="gdn_attn", dtypes=(torch.bfloat16, torch.bfloat16), page_size_bytes=page_bytes)
+    attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=["l0"], kv_cache_spec=state),
+        SimpleNamespace(layer_names=["l1"], kv_cache_spec=attention)])
+    generator = torch.Generator().manual_seed(100 * tp_size + tp_rank)
+    attention_cache = torch.randn(NUM_BLOCKS, heads, block_size, 2 * HEAD_SIZE, generator=generator)
+    state_cache = torch.randn(NUM_BLOCKS, page_bytes // 2, generator=generator).to(torch.bfloat16).view(torch.uint8)
+    caches = {"l0": state_cache if fill else torch.zeros_like(state_cache),
+              "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
+    spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, HEADS, cache_layout=CPU_K_TRANSPOSED)
+    worker = PrfaasConnectorWorker(_Wire, idle_timeout_s=10.0, max_early_bytes=1 << 24)
+    worker.register_kv_caches(KVLayout(config, caches), spec)
+    return worker
+
+
+def _blocks(block_size: int, seed: int) -> list[int]:
+    return random.Random(seed).sample(range(1, NUM_BLOCKS), -(-NUM_TOKENS // block_size))
+
+
+def _prefill(producers, blocks: list[int], consumer_tp: int, chunks=((0, 40), (40, NUM_TOKENS))) -> None:
+    """Every producer rank runs the same steps (vLLM schedules once for all ranks)."""
+    for start, end in chunks:
+        send = SendSpec("r", "t", PEER, ((blocks[-1],), tuple(blocks)), start, end, NUM_TOKENS, consumer_tp)
+        for producer in producers:
+            producer.on_metadata(PrfaasConnectorMetadata(sends=[send]))
+            for layer in ("l0", "l1"):
+                producer.save_kv_layer(layer)
+            producer.wait_for_save()
+
+
+def _deliver(producers, consumers, blocks: list[int], shuffle_seed: int = 0):
+    """Each consumer rank gets what was addressed to its port, streams interleaved (as several TCP
+    connections deliver them), then runs a step."""
+    results = []
+    for rank, consumer in enumerate(consumers):
+        address = f"127.0.0.1:{7000 + rank}"
+        events = [event for producer in producers for peer, event in producer.streams.sent if peer == address]
+        random.Random(shuffle_seed + rank).shuffle(events)
+        consumer.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec("r", "t", ((blocks[-1],), tuple(blocks)),
+                                                                     0, NUM_TOKENS)]))
+        consumer.streams.pending = events
+        results.append(consumer.get_transfer_results())
+    return results
+
+
+def _heads(worker, blocks: list[int], block_size: int) -> torch.Tensor:
+    """K and V of every token on this rank, [tokens, local heads, 2, head_size]."""
+    view = attention_view(worker.layout.caches["l1"], worker._plans._spec.layers[1], block_size)
+    k, v = token_view(view, 0), token_view(view, 1)
+    return torch.stack([torch.stack([k[blocks[t // block_size], :, t % block_size],
+                                     v[blocks[t // block_size], :, t % block_size]], dim=1) for t in range(NUM_TOKENS)])
+
+
+def _state(worker, block: int) -> dict[str, torch.Tensor]:
+    """This rank's share of each conv component ([state_len, channels]) and of the temporal state."""
+    spec = worker._plans._spec.layers[0]
+    page = state_page(worker.layout.caches["l0"], block)
+    conv = conv_state_view(page, spec)
+    parts = {part.name: conv[:, spec.conv_offsets[part.name]:spec.conv_offsets[part.name] + part.local_size]
+             for part in spec.conv}
+    return {**parts, "ssm": temporal_state_view(page, spec)}
+
+
+def _whole(per_rank: list, dim: int):
+    return torch.cat(per_rank, dim=dim)
+
+
+@pytest.mark.parametrize("src_tp, dst_tp, src_block, dst_block", [(1, 2, 32, 32), (2, 1, 32, 32), (1, 2, 16, 32),
+                                                                   (2, 1, 64, 32), (2, 2, 16, 32)])
+def test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block):
+    producers = [_rank(src_tp, r, src_block, fill=True) for r in range(src_tp)]
+    consumers = [_rank(dst_tp, r, dst_block, fill=False) for r in range(dst_tp)]
+    src_blocks, dst_blocks = _blocks(src_block, 1), _blocks(dst_block, 2)
+    _prefill(producers, src_blocks, dst_tp)
+    results = _deliver(producers, consumers, dst_blocks)
+    assert all(r.finished_recving == {"r"} and r.failed_recving == set() for r in results), results
+
+    sent_heads = _whole([_heads(p, src_blocks, src_block) for p in producers], dim=1)
+    got_heads = _whole([_heads(c, dst_blocks, dst_block) for c in consumers], dim=1)
+    assert torch.equal(got_heads, sent_heads)
+    sent_states = [_state(p, src_blocks[-1]) for p in producers]
+    got_states = [_state(c, dst_blocks[-1]) for c in consumers]
+    for part in ("query_key", "key", "value", "ssm"):
+        dim = 0 if part == "ssm" else 1
+        got, sent = (_whole([state[part] for state in states], dim) for states in (got_states, sent_states))
+        assert torch.equal(got, sent), part
+
+
+def test_a_contiguous_slice_of_the_conv_state_is_not_what_a_rank_receives():
+    """The test above can fail: at TP 1 -> 2 the first half of the whole conv dim is not rank 0's share."""
+    producer = _rank(1, 0, 32, fill=True)
+    blocks = _blocks(32, 1)
+    conv = conv_state_view(state_page(producer.layout.caches["l0"], blocks[-1]), producer._plans._spec.layers[0])
+    consumers = [_rank(2, r, 32, fill=False) for r in range(2)]
+    _prefill([producer], blocks, 2)
+    _deliver([producer], consumers, blocks)
+    received = conv_state_view(state_page(consumers[0].layout.caches["l0"], blocks[-1]),
+                               consumers[0]._plans._spec.layers[0])
+    assert not torch.equal(received, conv[:, :conv.shape[1] // 2])
+
+
+def test_each_head_crosses_the_link_once():
+    """TP 1 -> 2: the producer sends each consumer rank half the attention bytes, not all of them."""
+    producer = _rank(1, 0, 32, fill=True)
+    _prefill([producer], _blocks(32, 1), 2)
+    sizes: dict[str, int] = {}
+    for peer, event in producer.streams.sent:
+        if isinstance(event, Frame) and event.kind == protocol.DATA and event.group == 1:
+            sizes[peer] = sizes.get(peer, 0) + len(event.payload)
+    whole = NUM_TOKENS // 32 * 32 + 32  # blocks holding the prompt's tokens
+    assert sizes == {"127.0.0.1:7000": whole * HEADS // 2 * 2 * HEAD_SIZE * 2,
+                     "127.0.0.1:7001": whole * HEADS // 2 * 2 * HEAD_SIZE * 2}
+
+
+def test_the_transfer_completes_only_when_every_producer_rank_has_finished():
+    producers = [_rank(2, r, 32, fill=True) for r in range(2)]
+    consumer = _rank(1, 0, 32, fill=False)
+    blocks = _blocks(32, 1)
+    _prefill(producers, blocks, 1)
+    consumer.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec("r", "t", ((blocks[-1],), tuple(blocks)),
+                                                                 0, NUM_TOKENS)]))
+    consumer.streams.pending = [event for _, event in producers[0].streams.sent]
+    assert consumer.get_transfer_results().finished_recving == set()  # rank 1's stream is still missing
+    consumer.streams.pending = [event for _, event in producers[1].streams.sent]
+    assert consumer.get_transfer_results().finished_recving == {"r"}
+
+
+def test_routes_address_each_consumer_rank_at_its_port_and_name_each_producer_rank():
+    from services.kv_connector.tp_routes import plan_routes, rank_peer, transfer_of, wire_id
+
+    producer = _rank(2, 1, 32, fill=False)._spec
+    routes, problem = plan_routes(producer, 1)
+    assert problem is None and [route.dst_rank for route in routes] == [0]
+    assert rank_peer("10.0.0.1:7000", 0) == "10.0.0.1:7000" and rank_peer("10.0.0.1:7000", 3) == "10.0.0.1:7003"
+    assert wire_id("cmpl-1", producer) == "cmpl-1#p1" and transfer_of("cmpl-1#p1") == "cmpl-1"
+    assert wire_id("cmpl-1", _rank(1, 0, 32, fill=False)._spec) == "cmpl-1"
+
+
+def test_a_consumer_that_would_replicate_heads_is_sent_whole_pages_with_the_reason():
+    """TP 1 -> 4 replicates the 2 KV heads: the producer says why and sends its whole pages to rank 0,
+    whose plan refuses another TP size's pages (the decode worker then recomputes the prompt)."""
+    from services.kv_connector.tp_routes import plan_routes
+
+    producer = _rank(1, 0, 32, fill=True)
+    routes, problem = plan_routes(producer._spec, 4)
+    assert [route.dst_rank for route in routes] == [0] and routes[0].pieces is None
+    assert "replicates" in problem

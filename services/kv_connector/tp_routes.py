@@ -21,7 +21,8 @@ WIRE_SEPARATOR = "#p"
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """One consumer rank and what goes there: ``pieces`` by layer name, or None for whole pages."""
+    """One consumer rank and what goes there: ``pieces`` by layer name (empty: only the announcement,
+    which that rank will refuse), or None for whole pages."""
     dst_rank: int
     pieces: dict[str, tuple[Piece, ...]] | None = None
 
@@ -53,14 +54,15 @@ def rank_peer(peer: str, rank: int) -> str:
 
 
 def plan_routes(spec: LayoutSpec | None, consumer_tp: int) -> tuple[list[Route], str | None]:
-    """This rank's routes to a consumer engine of ``consumer_tp`` ranks, and why whole pages go to
-    one rank where the pieces cannot be planned (the consumer then refuses the announcement and
-    recomputes the prompt; the router does not pair such workers)."""
+    """This rank's routes to a consumer engine of ``consumer_tp`` ranks, and, where no pieces can be
+    planned, why: then every consumer rank gets the announcement alone, refuses it at once and the
+    consumer recomputes the prompt (the router does not pair such workers)."""
+    announce_only = [Route(rank, {}) for rank in range(consumer_tp)]
     if spec is None:
-        return [Route(0)], None if consumer_tp == 1 else "this engine's layout has no description"
+        return ([Route(0)], None) if consumer_tp == 1 else (announce_only, "this engine's layout has no description")
     if consumer_tp == spec.tp_size:
         return [Route(spec.tp_rank)], None
-    fallback = [Route(spec.tp_rank % consumer_tp)]
+    fallback = announce_only
     try:
         consumer = spec.at_tp(consumer_tp)
     except ValueError as error:

@@ -145,8 +145,8 @@ class PrfaasConnectorWorker:
         if routes is None:
             routes, problem = plan_routes(self._spec, send.peer_tp_size)
             if problem:
-                logger.error("KV for a consumer of TP %d goes to its rank %d as whole pages, which it will refuse: "
-                             "%s", send.peer_tp_size, routes[0].dst_rank, problem)
+                logger.error("KV cannot go to a consumer of TP %d (its ranks get only this engine's layout, which "
+                             "they refuse): %s", send.peer_tp_size, problem)
             self._routes[send.peer_tp_size] = routes
         wire = wire_id(send.transfer_id, self._spec)
         return [(rank_peer(send.peer, route.dst_rank), wire, route) for route in routes]

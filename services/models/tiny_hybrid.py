@@ -25,10 +25,10 @@ def prepare(seed: int = 0, target: Path | None = None) -> Path:
 
 
 # What the tiny models share (tiny_dense too): sizes, heads, token ids, and the wide initialisation.
-SHARED_CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, initializer_range=0.2,
-                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                     torch_dtype="bfloat16")
+SHARED_CONFIG = {"vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
+                 "initializer_range": 0.2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                 "pad_token_id": 0, "torch_dtype": "bfloat16"}
 
 
 def config():

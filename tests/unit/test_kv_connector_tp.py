@@ -24,7 +24,7 @@ from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, protocol
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
-K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 2, 4, 2, 4, 3
+K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 4, 4, 4, 4, 3  # at TP 4 the 2 KV heads are replicated, these not
 NUM_TOKENS = 100
 PEER = "127.0.0.1:7000"
 
@@ -57,7 +57,7 @@ class _Wire:
 def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool) -> PrfaasConnectorWorker:
     """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer,
     group 1) at ``tp_size``, caches in vLLM's CPU layout, random (``fill``) or zero."""
-    heads, k_heads, v_heads = HEADS // tp_size, K_HEADS // tp_size, V_HEADS // tp_size
+    heads, k_heads, v_heads = max(1, HEADS // tp_size), K_HEADS // tp_size, V_HEADS // tp_size
     conv_dim = 2 * k_heads * K_DIM + v_heads * V_DIM
     page_bytes = max(256, (conv_dim * STATE_LEN + v_heads * V_DIM * K_DIM) * 2)
     state = SimpleNamespace(block_size=block_size, shapes=((STATE_LEN, conv_dim), (v_heads, V_DIM, K_DIM)),
@@ -200,12 +200,19 @@ def test_routes_address_each_consumer_rank_at_its_port_and_name_each_producer_ra
     assert wire_id("cmpl-1", _rank(1, 0, 32, fill=False)._spec) == "cmpl-1"
 
 
-def test_a_consumer_that_would_replicate_heads_is_sent_whole_pages_with_the_reason():
-    """TP 1 -> 4 replicates the 2 KV heads: the producer says why and sends its whole pages to rank 0,
-    whose plan refuses another TP size's pages (the decode worker then recomputes the prompt)."""
+def test_a_consumer_that_would_replicate_heads_gets_the_layout_alone_and_refuses_it_at_once(caplog):
+    """TP 1 -> 4 replicates the 2 KV heads, which the data path does not carry: the producer says why
+    and sends every consumer rank its announcement and the end, no KV; each rank fails the transfer
+    at once (vLLM recomputes the prompt) instead of waiting for KV that never comes."""
     from services.kv_connector.tp_routes import plan_routes
 
     producer = _rank(1, 0, 32, fill=True)
     routes, problem = plan_routes(producer._spec, 4)
-    assert [route.dst_rank for route in routes] == [0] and routes[0].pieces is None
+    assert [route.dst_rank for route in routes] == [0, 1, 2, 3] and all(route.pieces == {} for route in routes)
     assert "replicates" in problem
+    blocks = _blocks(32, 1)
+    _prefill([producer], blocks, 4)
+    assert not any(event.kind == protocol.DATA for _, event in producer.streams.sent if isinstance(event, Frame))
+    consumers = [_rank(4, r, 32, fill=False) for r in range(4)]
+    results = _deliver([producer], consumers, blocks)
+    assert all(r.failed_recving == {"r"} for r in results) and "KV layout mismatch" in caplog.text

@@ -39,7 +39,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.of(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         if self.settings.logging:
             setup_package_logging(**self.settings.logging)
-        pool = self.settings.open_pool(kv_cache_config)
+        pool = self.settings.open_pool(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
         self.pool_io = pool[0] if pool else None
         self.scheduler = self.worker = self.pool_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -216,3 +216,13 @@ def test_a_consumer_that_would_replicate_heads_gets_the_layout_alone_and_refuses
     consumers = [_rank(4, r, 32, fill=False) for r in range(4)]
     results = _deliver([producer], consumers, blocks)
     assert all(r.failed_recving == {"r"} for r in results) and "KV layout mismatch" in caplog.text
+
+
+def test_an_engine_of_several_tp_ranks_does_not_use_the_cache_pool(caplog):
+    """The pool keeps one entry per block: ranks storing their shares under it would overwrite each
+    other, so such an engine runs without the pool, and says so."""
+    from services.kv_connector.settings import ConnectorSettings
+
+    settings = ConnectorSettings(cache_pool_address="127.0.0.1:1", cache_pool_model="tiny")
+    assert settings.open_pool(SimpleNamespace(kv_cache_groups=[]), tp_size=2) is None
+    assert "this engine has 2 TP ranks" in caplog.text

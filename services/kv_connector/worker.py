@@ -80,7 +80,9 @@ class PrfaasConnectorWorker:
         self._announcement = b""  # this engine's LAYOUT frame payload
         self._spec: LayoutSpec | None = None
         self._plans: ReblockPlans | None = None
+        self._spec_layers: dict[str, Layer] = {}
         self._routes: dict[int, list[Route]] = {}  # by the consumer's TP size
+        self._destinations_of: dict[str, list[tuple[str, str, Route]]] = {}  # this step's sends, by transfer
         self._sends: list[SendSpec] = []
         self._unannounced: set[str] = set()  # transfers starting this step whose LAYOUT frame is not sent
         self._idle_step = False
@@ -111,6 +113,7 @@ class PrfaasConnectorWorker:
                 self._released.add(receiving.spec.req_id)
             self._forget(transfer_id, "abandoned by the engine")
         self._sends = meta.sends
+        self._destinations_of = {}
         self._unannounced = {send.transfer_id for send in meta.sends if send.start == 0}
         self._idle_step = meta.idle
 
@@ -140,7 +143,14 @@ class PrfaasConnectorWorker:
         self._sends = []
 
     def _destinations(self, send: SendSpec) -> list[tuple[str, str, Route]]:
-        """(address, wire id, route) of each consumer rank this rank sends ``send`` to."""
+        """(address, wire id, route) of each consumer rank this rank sends ``send`` to (worked out once
+        per step, not per layer)."""
+        destinations = self._destinations_of.get(send.transfer_id)
+        if destinations is None:
+            destinations = self._destinations_of[send.transfer_id] = self._plan_destinations(send)
+        return destinations
+
+    def _plan_destinations(self, send: SendSpec) -> list[tuple[str, str, Route]]:
         routes = self._routes.get(send.peer_tp_size)
         if routes is None:
             routes, problem = plan_routes(self._spec, send.peer_tp_size)
@@ -170,7 +180,7 @@ class PrfaasConnectorWorker:
             elif pieces := route.pieces.get(layer.name):
                 view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
                                       self.layout.block_size[layer.group])
-                payload = torch.cat([slice_attention(view, ids, piece).reshape(-1) for piece in pieces])
+                payload = _joined([slice_attention(view, ids, piece) for piece in pieces])
             else:
                 continue
             frame = (layer.index, layer.group, first, len(ids), _bytes(payload))
@@ -189,8 +199,7 @@ class PrfaasConnectorWorker:
             elif pieces := route.pieces.get(layer.name):
                 page = state_page(self.layout.caches[layer.name], block)
                 spec = self._spec_layer(layer)
-                payload = torch.cat([slice_state(page, spec, piece).reshape(-1).view(torch.uint8)
-                                     for piece in pieces])
+                payload = _joined([slice_state(page, spec, piece) for piece in pieces])
             else:
                 continue
             self.streams.send(peer, wire, layer.index, layer.group, 0, 1, _bytes(payload))
@@ -374,6 +383,12 @@ class PrfaasConnectorWorker:
     def shutdown(self) -> None:
         if self.streams is not None:
             self.streams.close()
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Contiguous piece copies back to back, as bytes (a single piece is sent as it is, not copied again)."""
+    flat = [piece.reshape(-1).view(torch.uint8) for piece in pieces]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -5,8 +5,10 @@ the embedded model's shape: its layer count, KV heads, head size and dtype, in v
 layout) goes from the producer ranks' connector workers to the consumer ranks', through
 ``KVTransport`` over loopback TCP with its checksums and authentication, as a prefill worker streams
 it: layer by layer, in prefill chunks of ``--chunk`` tokens. Each producer rank sends each consumer
-rank the KV heads it owns (SmolLM2's 3 KV heads: TP 1 <-> 3), each consumer rank listening on its own
-port; the consumer re-blocks them into its own blocks, and every token's K and V of every head is
+rank the KV heads it owns (SmolLM2's 3 KV heads: TP 1 <-> 3; at TP 6 each head is replicated on two
+consumer ranks, and the one that receives it passes it on to the other over loopback: those bytes are
+counted apart, as "passed on"), each consumer rank listening on its own port; the consumer re-blocks
+them into its own blocks, and every token's K and V of every head is
 checked against the producer's. The baseline is the KV itself: the bytes the consumer needs (tokens
 x layers x KV heads x K and V x head size x dtype). Wire bytes are everything the senders wrote:
 frame headers, the LAYOUT frames (fingerprint and layout spec), END, payload, including the padding
@@ -43,7 +45,7 @@ from services.kv_transport import KVTransport, TransportSettings
 
 # (prefill block size, decode block size, prefill TP, decode TP)
 PAIRINGS = ((128, 128, 1, 1), (64, 128, 1, 1), (128, 64, 1, 1), (32, 128, 1, 1), (128, 32, 1, 1),
-            (128, 128, 1, 3), (128, 128, 3, 1), (64, 128, 3, 1))
+            (128, 128, 1, 3), (128, 128, 3, 1), (64, 128, 3, 1), (128, 128, 1, 6))
 SECRET = "bench-hetero-secret"
 TARGET = 1.01  # wire bytes per KV byte: the KV once, framing under 1%
 RECEIVE_TIMEOUT_S = 120.0
@@ -69,6 +71,7 @@ class Result:
     prefill_tp: int
     decode_tp: int
     wire_bytes: int
+    passed_on_bytes: int
     kv_bytes: int
     payload_bytes: int
     seconds: float
@@ -101,14 +104,15 @@ class Engine:
                  tp_size: int = 1, tp_rank: int = 0) -> None:
         self.block_size = block_size
         self.num_blocks = math.ceil(num_tokens / block_size) + 1  # block 0 is vLLM's null block
-        heads = model.kv_heads // tp_size
+        heads = max(1, model.kv_heads // tp_size)  # vLLM replicates KV heads on more ranks than heads
         attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=model.head_size,
                                     dtype=TORCH_DTYPES[model.dtype])
         self.names = [f"layers.{i}" for i in range(model.layers)]
         config = SimpleNamespace(num_blocks=self.num_blocks, kv_cache_groups=[
             SimpleNamespace(layer_names=self.names, kv_cache_spec=attention)])
         shape = (self.num_blocks, heads, block_size, 2 * model.head_size)
-        generator = torch.Generator().manual_seed(1000 * block_size + 10 * tp_size + tp_rank)
+        # ranks that replicate a KV head hold the same KV for it, as vLLM's do
+        generator = torch.Generator().manual_seed(1000 * block_size + 10 * tp_size + tp_rank // copies(model, tp_size))
         caches = {name: (torch.randn(shape, generator=generator) if fill else torch.zeros(shape))
                   .to(TORCH_DTYPES[model.dtype]) for name in self.names}
         self.spec = spec_from_vllm(model.name, config, self.names, tp_rank, tp_size, model.kv_heads,
@@ -130,9 +134,20 @@ class Engine:
         self.worker.shutdown()
 
 
-def all_heads(ranks: list[Engine], layer: str, num_tokens: int) -> torch.Tensor:
-    """K and V of every head of one layer, the ranks' heads side by side."""
-    return torch.cat([rank.tokens(layer, num_tokens) for rank in ranks], dim=1)
+def copies(model: Model, tp_size: int) -> int:
+    """On how many ranks of a TP size each KV head is (vLLM replicates them on more ranks than heads)."""
+    return max(1, tp_size // model.kv_heads)
+
+
+def all_heads(ranks: list[Engine], layer: str, num_tokens: int, model: Model) -> torch.Tensor:
+    """K and V of every head of one layer, the ranks' heads side by side; where ranks replicate heads,
+    each replica must equal the rank it copies, and the heads are taken once."""
+    per_rank = [rank.tokens(layer, num_tokens) for rank in ranks]
+    same = copies(model, len(ranks))
+    for rank, tokens in enumerate(per_rank):
+        if not torch.equal(tokens, per_rank[rank - rank % same]):
+            raise RuntimeError(f"rank {rank} holds other KV than the rank it replicates, layer {layer}")
+    return torch.cat(per_rank[::same], dim=1)
 
 
 def consecutive_ports(count: int) -> int:
@@ -200,16 +215,18 @@ def run_pairing(model: Model, pairing: tuple[int, int, int, int], args) -> Resul
                  for rank in range(decode_tp)]
     try:
         transfer(producers, consumers, port, "warm-up", args.tokens, args.chunk)
-        before = sent_bytes(producers)
+        before, passed_before = sent_bytes(producers), sent_bytes(consumers)
         seconds = [transfer(producers, consumers, port, f"round-{i}", args.tokens, args.chunk)
                    for i in range(args.rounds)]
         wire = (sent_bytes(producers) - before) // args.rounds
+        passed_on = (sent_bytes(consumers) - passed_before) // args.rounds
         for name in consumers[0].names:
-            if not torch.equal(all_heads(consumers, name, args.tokens), all_heads(producers, name, args.tokens)):
+            if not torch.equal(all_heads(consumers, name, args.tokens, model),
+                               all_heads(producers, name, args.tokens, model)):
                 raise RuntimeError(f"{pairing}: layer {name} differs after the transfer")
         payload = model.kv_bytes_per_token * _sent_tokens(args, prefill_block)
-        return Result(prefill_block, decode_block, prefill_tp, decode_tp, wire, model.kv_bytes_per_token * args.tokens,
-                      payload, median(seconds))
+        return Result(prefill_block, decode_block, prefill_tp, decode_tp, wire, passed_on,
+                      model.kv_bytes_per_token * args.tokens, payload, median(seconds))
     finally:
         for engine in producers + consumers:
             engine.close()
@@ -248,13 +265,13 @@ def main(argv=None) -> int:
         results.append(run_pairing(model, pairing, args))
     same = results[0].seconds
     print(f"\n{'pairing':>22} {'KV MB':>8} {'wire MB':>8} {'wire/KV':>8} {'padding':>8} {'framing':>8} "
-          f"{'ms':>7} {'GB/s':>6} {'time vs same':>12}")
+          f"{'ms':>7} {'GB/s':>6} {'time vs same':>12} {'passed on MB':>12}")
     for r in results:
         padding = (r.payload_bytes - r.kv_bytes) / r.kv_bytes
         framing = (r.wire_bytes - r.payload_bytes) / r.kv_bytes
         print(f"{r.name:>22} {r.kv_bytes / 1e6:>8.1f} {r.wire_bytes / 1e6:>8.1f} "
               f"{r.ratio:>8.4f} {padding:>8.2%} {framing:>8.3%} {r.seconds * 1e3:>7.1f} "
-              f"{r.kv_bytes / r.seconds / 1e9:>6.2f} {r.seconds / same:>12.2f}")
+              f"{r.kv_bytes / r.seconds / 1e9:>6.2f} {r.seconds / same:>12.2f} {r.passed_on_bytes / 1e6:>12.1f}")
     worst = max(results, key=lambda r: r.ratio)
     return verdict("hetero layouts: worst wire bytes per KV byte", worst.ratio, TARGET,
                    f"{worst.name}, {len(results)} pairings, {args.tokens} tokens, every token checked",

@@ -188,11 +188,10 @@ def _continues(last: Piece, piece: Piece) -> bool:
 
 
 def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str | None:
-    """Why the KV data path cannot carry ``layout_map`` yet, or None. Identical layouts travel as
-    whole pages. Otherwise each producer rank sends each consumer rank its pieces and the consumer
-    re-blocks them, which needs both attention caches in the layout ``layout_apply`` reads
-    (``CPU_K_TRANSPOSED``); a consumer that replicates KV heads (more TP ranks than heads) would have
-    to fill its replicas from the rank that received them, which the data path does not do yet."""
+    """Why the KV data path cannot carry ``layout_map``, or None. Identical layouts travel as whole
+    pages. Otherwise each producer rank sends each consumer rank its pieces (a consumer rank passes
+    on the pieces its replicas hold) and the consumer re-blocks them, which needs both attention
+    caches in the layout ``layout_apply`` reads (``CPU_K_TRANSPOSED``)."""
     if layout_map.is_identity:
         return None
     if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
@@ -201,16 +200,16 @@ def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -
                 else f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking")
         return (f"{what}, which needs both attention caches in the layout of vLLM's CPU kernels (announced: "
                 f"{src.cache_layout or 'unknown'} -> {dst.cache_layout or 'unknown'})")
-    replicated = next((piece for layer in layout_map.layers for piece in layer.pieces if piece.replicas), None)
-    if replicated is not None:
-        return (f"the consumer's TP {layout_map.consumer_tp} replicates {replicated.part} units of layer "
-                f"{replicated.layer} on several ranks, which the KV data path does not fill yet")
     return None
 
 
-def sending_ranks(layout_map: LayoutMap, dst_rank: int) -> tuple[int, ...]:
-    """The producer ranks that send consumer rank ``dst_rank`` anything."""
-    return tuple(sorted({piece.src_rank for piece in layout_map.pieces_to(dst_rank)}))
+def sources_of(layout_map: LayoutMap, dst_rank: int) -> tuple[tuple[int, int | None], ...]:
+    """Where consumer rank ``dst_rank``'s pieces come from: ``(producer rank, None)`` over the link,
+    ``(producer rank, consumer rank)`` passed on by the consumer rank that received them (replicas)."""
+    sources = {(piece.src_rank, None) for piece in layout_map.pieces_to(dst_rank)}
+    sources |= {(piece.src_rank, piece.dst_rank) for layer in layout_map.layers for piece in layer.pieces
+                if dst_rank in piece.replicas}
+    return tuple(sorted(sources, key=lambda source: (source[0], -1 if source[1] is None else source[1])))
 
 
 # Re-blocking ---------------------------------------------------------------------------------

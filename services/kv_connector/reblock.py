@@ -30,7 +30,7 @@ from services.kv_connector.layout_apply import (
     write_attention,
     write_state,
 )
-from services.kv_connector.layout_map import Piece, Unmappable, data_path_problem, plan_mapping, sending_ranks
+from services.kv_connector.layout_map import LayoutMap, Piece, Unmappable, data_path_problem, plan_mapping, sources_of
 from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
 
 SEPARATOR = b"\n"
@@ -47,26 +47,28 @@ def fingerprint_of(payload: bytes) -> str:
 
 
 class Reblocker:
-    """Writes the frames of one producer rank whose layout differs from this rank's: block sizes
-    (re-blocked token by token), TP size (each frame holds this rank's ``pieces`` of the layer, in the
-    map's order: ``tp_routes`` sends them so), or both. ``sending_ranks``: every producer rank that
-    sends this rank something; the transfer is complete once each has finished."""
+    """Writes the frames of one stream whose layout differs from this rank's: block sizes (re-blocked
+    token by token), TP size (each frame holds the ``pieces`` of the layer the producer rank sent the
+    receiving rank, in the map's order: ``tp_routes`` sends them so; this rank writes those in
+    ``written``), or both. ``sources``: every stream this rank waits for (``layout_map.sources_of``);
+    ``replicas``: the ranks this one passes the stream on to."""
 
     def __init__(self, src: LayoutSpec, dst: LayoutSpec, layout: KVLayout, pieces: Sequence[Piece],
-                 sending_ranks: tuple[int, ...]) -> None:
+                 written: Sequence[Piece], sources: tuple[tuple[int, int | None], ...],
+                 replicas: tuple[int, ...] = ()) -> None:
         self.src, self.dst, self._layout = src, dst, layout
-        self.sending_ranks = sending_ranks
+        self.sources, self.replicas = sources, replicas
         self.sliced = src.tp_size != dst.tp_size  # frames hold pieces, not the producer's whole pages
         self._src_layers = {layer.name: layer for layer in src.layers}
         self._dst_layers = {layer.name: layer for layer in dst.layers}
-        self._pieces: dict[str, list[Piece]] = {}
+        self._pieces: dict[str, list[tuple[Piece, bool]]] = {}
         for piece in pieces:
-            self._pieces.setdefault(src.layers[piece.layer].name, []).append(piece)
+            self._pieces.setdefault(src.layers[piece.layer].name, []).append((piece, piece in written))
 
     def attention_payload_bytes(self, layer: LayerInfo, num_blocks: int) -> int:
         spec = self._src_layers[layer.name]
         assert isinstance(spec, AttentionLayer)
-        units = sum(piece.num_units for piece in self._pieces.get(layer.name, ()))
+        units = sum(piece.num_units for piece, _ in self._pieces.get(layer.name, ()))
         return num_blocks * units * self.src.block_sizes[spec.group] * 2 * spec.head_size * DTYPE_BYTES[self.src.dtype]
 
     def src_block_size(self, layer: LayerInfo) -> int:
@@ -81,11 +83,12 @@ class Reblocker:
         src_block_size = self.src.block_sizes[src.group]
         view = attention_view(self._layout.caches[layer.name], dst, self.dst.block_sizes[dst.group])
         offset = 0
-        for piece in self._pieces.get(layer.name, ()):
+        for piece, mine in self._pieces.get(layer.name, ()):
             shape = (num_blocks, piece.num_units, 2, src_block_size, src.head_size)
             size = math.prod(shape) * DTYPE_BYTES[self.src.dtype]
-            source = from_payload(payload[offset:offset + size], self.src.dtype, shape)
-            write_attention(view, block_ids, source, piece, first_block, src_block_size)
+            if mine:
+                source = from_payload(payload[offset:offset + size], self.src.dtype, shape)
+                write_attention(view, block_ids, source, piece, first_block, src_block_size)
             offset += size
 
     def fits_state_page(self, layer: LayerInfo, num_bytes: int) -> bool:
@@ -95,7 +98,7 @@ class Reblocker:
         spec = self._src_layers[layer.name]
         assert isinstance(spec, LinearLayer)
         if self.sliced:
-            return num_bytes == sum(self._piece_bytes(spec, piece) for piece in self._pieces.get(layer.name, ()))
+            return num_bytes == sum(self._piece_bytes(spec, piece) for piece, _ in self._pieces.get(layer.name, ()))
         return spec.conv_bytes + spec.temporal_bytes <= num_bytes <= spec.page_bytes
 
     def write_state(self, layer: LayerInfo, block_id: int, payload: memoryview) -> None:
@@ -110,10 +113,11 @@ class Reblocker:
             temporal_state_view(target, dst).copy_(temporal_state_view(source, src))
             return
         offset = 0
-        for piece in self._pieces.get(layer.name, ()):
+        for piece, mine in self._pieces.get(layer.name, ()):
             size = self._piece_bytes(src, piece)
-            dtype = src.temporal_dtype if piece.part == src.temporal.name else src.conv_dtype
-            write_state(target, dst, piece, source[offset:offset + size].view(TORCH_DTYPES[dtype]))
+            if mine:
+                dtype = src.temporal_dtype if piece.part == src.temporal.name else src.conv_dtype
+                write_state(target, dst, piece, source[offset:offset + size].view(TORCH_DTYPES[dtype]))
             offset += size
 
     @staticmethod
@@ -125,28 +129,31 @@ class Reblocker:
 
 
 class ReblockPlans:
-    """What this engine does with each producer announcement it meets: copy pages as they are (None),
-    re-block (a ``Reblocker``), or refuse (the reason)."""
+    """What this engine does with each producer announcement it meets, on a stream from the producer
+    (``via`` None) or passed on by consumer rank ``via``: copy pages as they are (None), re-block (a
+    ``Reblocker``), or refuse (the reason)."""
 
     def __init__(self, layout: KVLayout, spec: LayoutSpec | None) -> None:
         self._layout, self._spec = layout, spec
-        self._plans: OrderedDict[bytes, Reblocker | str | None] = OrderedDict()
+        self._plans: OrderedDict[tuple[bytes, int | None], Reblocker | str | None] = OrderedDict()
 
-    def plan(self, payload: bytes) -> Reblocker | str | None:
-        plan = self._plans.get(payload)
-        if plan is None and payload not in self._plans:
-            plan = self._plan(payload)
-            self._plans[payload] = plan
+    def plan(self, payload: bytes, via: int | None = None) -> Reblocker | str | None:
+        key = (payload, via)
+        plan = self._plans.get(key)
+        if plan is None and key not in self._plans:
+            plan = self._plan(payload, via)
+            self._plans[key] = plan
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
         return plan
 
-    def _plan(self, payload: bytes) -> Reblocker | str | None:
+    def _plan(self, payload: bytes, via: int | None) -> Reblocker | str | None:
         theirs = fingerprint_of(payload)
-        if theirs == self._layout.fingerprint:
-            return None
-        mismatch = f"KV layout mismatch ({theirs} != {self._layout.fingerprint})"
         _, _, encoded = payload.partition(SEPARATOR)
+        if theirs == self._layout.fingerprint and not self._other_tp_size(encoded):
+            return None
+        mismatch = (f"KV layout mismatch ({theirs} != {self._layout.fingerprint})" if theirs != self._layout.fingerprint
+                    else "KV layout of another TP size")
         if not encoded or self._spec is None:
             return f"{mismatch}; {'the producer' if not encoded else 'this engine'} announced no layout spec"
         try:
@@ -162,7 +169,32 @@ class ReblockPlans:
             return f"{mismatch}: {problem}"
         if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
             return f"{mismatch}: re-blocking reads the cache layout of vLLM's CPU kernels only"
-        pieces = [piece for piece in result.pieces_to(dst.tp_rank) if piece.src_rank == src.tp_rank]
-        if not pieces:
+        if src.tp_size == dst.tp_size:  # whole pages from the rank of the same number, every head written
+            if via is not None or src.tp_rank != dst.tp_rank:
+                return f"{mismatch}: producer TP rank {src.tp_rank} sent to consumer TP rank {dst.tp_rank}"
+            pieces = _whole_pages(result, dst.tp_rank)
+            return Reblocker(src, dst, self._layout, pieces, pieces, ((src.tp_rank, None),))
+        receiver = dst.tp_rank if via is None else via
+        pieces = [piece for piece in result.pieces_to(receiver) if piece.src_rank == src.tp_rank]
+        written = [piece for piece in pieces if via is None or dst.tp_rank in piece.replicas]
+        if not written:
             return f"{mismatch}: producer TP rank {src.tp_rank} holds nothing for consumer TP rank {dst.tp_rank}"
-        return Reblocker(src, dst, self._layout, pieces, sending_ranks(result, dst.tp_rank))
+        replicas = tuple(sorted({rank for piece in pieces for rank in piece.replicas})) if via is None else ()
+        return Reblocker(src, dst, self._layout, pieces, written, sources_of(result, dst.tp_rank), replicas)
+
+    def _other_tp_size(self, encoded: bytes) -> bool:
+        """The producer announced another TP size than this engine's. Ranks' pages can then be alike
+        (every KV head replicated, as with one KV head) and yet hold their units for other ranks: the
+        producer sends each unit to one holder, which passes it on to the others."""
+        if not encoded or self._spec is None:
+            return False
+        try:
+            return LayoutSpec.from_bytes(encoded).tp_size != self._spec.tp_size
+        except ValueError:
+            return False
+
+
+def _whole_pages(layout_map: LayoutMap, rank: int) -> list[Piece]:
+    """Every part of every layer as one piece of all the rank's units: a page as it is."""
+    return [Piece(layer.index, part.name, 0, part.num_local_units, rank, 0, rank, 0)
+            for layer in layout_map.layers for part in layer.src.parts]

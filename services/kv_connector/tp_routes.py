@@ -8,6 +8,10 @@ each consumer rank that owns some of its units those pieces, layer by layer, in 
 (the consumer plans the same map from the announcements and reads them in that order). A producer
 engine with several ranks names each rank's stream ``<transfer id>#p<rank>``, so that a consumer rank
 fed by several producer ranks completes the transfer only when every one of them has finished.
+
+Where the consumer holds a unit on several ranks (more TP ranks than KV heads, which vLLM replicates),
+the unit still crosses the link once: the consumer rank that receives it passes each frame on to its
+replicas over the host's loopback, as the stream ``<stream id>#f<its rank>``.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from services.kv_connector.layout_map import Piece, Unmappable, data_path_proble
 from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, LayoutSpec
 
 WIRE_SEPARATOR = "#p"
+FORWARD_SEPARATOR = "#f"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,17 +37,30 @@ def wire_id(transfer_id: str, spec: LayoutSpec | None) -> str:
     return transfer_id if spec is None or spec.tp_size == 1 else f"{transfer_id}{WIRE_SEPARATOR}{spec.tp_rank}"
 
 
+def forwarded_id(wire: str, via: int) -> str:
+    """The id of a stream passed on by consumer rank ``via`` to a rank that replicates its units."""
+    return f"{wire}{FORWARD_SEPARATOR}{via}"
+
+
 def transfer_of(wire: str) -> str:
     """The transfer a stream belongs to."""
-    return wire.split(WIRE_SEPARATOR, 1)[0]
+    return wire.split("#", 1)[0]
 
 
-def expected_wire_ids(transfer_id: str, src: LayoutSpec | None, sending_ranks: tuple[int, ...],
+def via_of(wire: str) -> int | None:
+    """The consumer rank that passed this stream on, or None for a stream from the producer."""
+    _, separator, rank = wire.rpartition(FORWARD_SEPARATOR)
+    return int(rank) if separator and rank.isdigit() else None
+
+
+def expected_wire_ids(transfer_id: str, src: LayoutSpec | None, sources: tuple[tuple[int, int | None], ...],
                       wire: str) -> frozenset[str]:
-    """The streams a consumer rank waits for, learnt from one producer rank's announcement."""
-    if src is None or not sending_ranks:
+    """The streams a consumer rank waits for (``layout_map.sources_of``), learnt from one
+    announcement."""
+    if src is None or not sources:
         return frozenset({wire})
-    return frozenset(wire_id(transfer_id, src.for_rank(rank)) for rank in sending_ranks)
+    return frozenset(wire_id(transfer_id, src.for_rank(rank)) if via is None
+                     else forwarded_id(wire_id(transfer_id, src.for_rank(rank)), via) for rank, via in sources)
 
 
 def rank_peer(peer: str, rank: int) -> str:

@@ -5,7 +5,8 @@ blocks (so vLLM may free them at once) and hand the copy to the transport, which
 background; a transfer's LAYOUT frame goes before its first block. Received frames are applied to
 the cache here, between forwards, so nothing else ever writes into engine memory, once the
 producer's LAYOUT frame says how (as they are, or re-blocked: ``reblock``); a transfer completes
-when its end marker and every frame are in.
+when its end marker and every frame are in. A rank that receives KV heads its engine replicates on
+other ranks passes those frames on to them from a thread of its own (``forwarder``).
 """
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.kv_connector.forwarder import Forwarder
 from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.layout_apply import attention_view, slice_attention, slice_state, state_page
 from services.kv_connector.layout_spec import Layer, LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.reblock import Reblocker, ReblockPlans, announcement
 from services.kv_connector.stats import INTERVAL_S
-from services.kv_connector.tp_routes import Route, expected_wire_ids, plan_routes, rank_peer, transfer_of, wire_id
+from services.kv_connector.tp_routes import (
+    Route,
+    expected_wire_ids,
+    forwarded_id,
+    plan_routes,
+    rank_peer,
+    transfer_of,
+    via_of,
+    wire_id,
+)
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSnapshot
 
 logger = logging.getLogger(__name__)
@@ -38,10 +49,13 @@ STAGED_TIMEOUT_S = 120.0
 
 @dataclass(slots=True)
 class _Stream:
-    """One producer rank's stream of a transfer (``tp_routes.wire_id``)."""
+    """One producer rank's stream of a transfer (``tp_routes.wire_id``), or one passed on by a sibling
+    rank (``tp_routes.forwarded_id``)."""
     layout_known: bool = False  # its LAYOUT frame arrived; its KV before that is staged
     reblock: Reblocker | None = None  # its layout differs from ours (block sizes, TP size)
     done: bool = False
+    forward_to: list[tuple[str, str]] = field(default_factory=list)  # (sibling rank's address, stream id)
+    forwards_ended: bool = False
 
 
 @dataclass(slots=True)
@@ -90,6 +104,7 @@ class PrfaasConnectorWorker:
         self._released: set[str] = set()  # aborted while receiving: vLLM frees their blocks once told
         self._forgotten: OrderedDict[str, None] = OrderedDict()
         self._next_stats = 0.0
+        self.forwarder = Forwarder()  # sends to sibling ranks that replicate what this rank receives
 
     def register_kv_caches(self, layout: KVLayout, spec: LayoutSpec | None = None) -> None:
         """``spec``: this rank's layout as ``layout_spec`` describes it (None: this engine can receive
@@ -218,6 +233,8 @@ class PrfaasConnectorWorker:
         for transfer_id, receiving in list(self._receiving.items()):
             if receiving.spec is not None and receiving.early_frames and transfer_id not in failed:
                 self._apply_early(transfer_id, receiving, failed)
+            if transfer_id not in failed:
+                self._end_forwards(receiving)
         self._expire_idle(failed)
         return self._collect(failed)
 
@@ -244,12 +261,18 @@ class PrfaasConnectorWorker:
             failed[transfer_id] = error
 
     def _learn_layout(self, frame: Frame, transfer_id: str, receiving: _Receiving, stream: _Stream) -> str | None:
-        plan = self._plans.plan(bytes(frame.payload))
+        payload = bytes(frame.payload)
+        plan = self._plans.plan(payload, via_of(frame.transfer_id))
         if isinstance(plan, str):
             return plan
         stream.reblock, stream.layout_known = plan, True
-        expected = (expected_wire_ids(transfer_id, plan.src, plan.sending_ranks, frame.transfer_id)
+        expected = (expected_wire_ids(transfer_id, plan.src, plan.sources, frame.transfer_id)
                     if plan is not None else frozenset({frame.transfer_id}))
+        if plan is not None and plan.replicas:
+            forwarded = forwarded_id(frame.transfer_id, plan.dst.tp_rank)
+            stream.forward_to = [(self._sibling(rank), forwarded) for rank in plan.replicas]
+            for peer, wire in stream.forward_to:
+                self.forwarder.put(self.streams.send_layout, peer, wire, payload)
         if receiving.expected is None:
             receiving.expected = expected
         elif receiving.expected != expected:
@@ -274,8 +297,33 @@ class PrfaasConnectorWorker:
                 failed[transfer_id] = error
                 return
 
+    def _sibling(self, rank: int) -> str:
+        """Where this engine's TP rank ``rank`` receives KV: this rank's port, moved by the rank gap."""
+        host = self.streams.listen_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return f"{host}:{self.streams.port - self._spec.tp_rank + rank}"
+
+    def _end_forwards(self, receiving: _Receiving) -> None:
+        """End the streams passed on to sibling ranks once all of their source's frames went on."""
+        for wire, stream in receiving.streams.items():
+            if stream.forward_to and stream.done and not stream.forwards_ended \
+                    and not any(frame.transfer_id == wire for frame in receiving.early_frames):
+                stream.forwards_ended = True
+                for peer, forwarded in stream.forward_to:
+                    self.forwarder.put(self.streams.finish, peer, forwarded)
+
     def _apply(self, frame: Frame, receiving: _Receiving, stream: _Stream) -> str | None:
-        """Copy one frame into the request's blocks; returns an error text instead of raising."""
+        """Copy one frame into the request's blocks (and pass it on to the ranks that replicate its
+        units); returns an error text instead of raising."""
+        error = self._write(frame, receiving, stream)
+        if error is None and stream.forward_to:
+            payload = bytes(frame.payload)  # the received buffer is the receiver's to reuse
+            for peer, wire in stream.forward_to:
+                self.forwarder.put(self.streams.send, peer, wire, frame.layer, frame.group, frame.block_start,
+                                   frame.num_blocks, payload)
+        return error
+
+    def _write(self, frame: Frame, receiving: _Receiving, stream: _Stream) -> str | None:
         spec = receiving.spec
         layer = self.layout.by_index.get(frame.layer)
         if layer is None or layer.group != frame.group:
@@ -364,6 +412,10 @@ class PrfaasConnectorWorker:
         if self.streams is not None:
             for wire in {transfer_id, *(receiving.streams if receiving is not None else ())}:
                 self.streams.forget(wire)
+            for stream in receiving.streams.values() if receiving is not None else ():
+                if not stream.forwards_ended:  # the sibling ranks fail it now instead of waiting for its end
+                    for peer, forwarded in stream.forward_to:
+                        self.forwarder.put(self.streams.abort, peer, forwarded, reason)
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
@@ -381,6 +433,7 @@ class PrfaasConnectorWorker:
         return len(self._receiving)
 
     def shutdown(self) -> None:
+        self.forwarder.close()
         if self.streams is not None:
             self.streams.close()
 

@@ -106,6 +106,10 @@ class PeerLink:
         """All frames of the transfer are queued; the END frame tells the receiver how many."""
         self._enqueue(transfer_id, END, memoryview(b""))
 
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """Fail the transfer: its queued frames are dropped and an ABORT frame tells the receiver why."""
+        self._fail(transfer_id, reason)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -28,6 +28,7 @@ class KVTransport:
                  listen_port: int | None = None) -> None:
         """``listen_port`` None: send only; 0: listen on a free port (see ``port``)."""
         self.settings = settings
+        self.listen_host = listen_host
         if not settings.secret_bytes:
             logger.warning("KV transport has no shared secret (transport.secret or $%s): any process that "
                            "can reach the KV port can connect", settings.secret_env)
@@ -57,6 +58,11 @@ class KVTransport:
     def finish(self, peer: str, transfer_id: str) -> None:
         """No more frames for this transfer; the receiver completes it once all have arrived."""
         self._link(peer).finish(transfer_id)
+
+    def abort(self, peer: str, transfer_id: str, reason: str) -> None:
+        """Give up on a transfer to ``peer``: its queued frames are dropped and the receiver is told why
+        (an ABORT frame). Nothing happens for a transfer already complete."""
+        self._link(peer).abort(transfer_id, reason)
 
     def poll(self, wait_s: float = 0.0) -> list[Event]:
         """Events received so far, in arrival order; waits up to ``wait_s`` for the first one."""

@@ -9,6 +9,7 @@ PREPARERS = {
     smollm2.NAME: smollm2.prepare,
     tiny_hybrid.NAME: tiny_hybrid.prepare,
     tiny_dense.NAME: tiny_dense.prepare,
+    tiny_dense.MQA_NAME: tiny_dense.prepare_mqa,
 }
 
 

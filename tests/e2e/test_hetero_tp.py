@@ -1,16 +1,18 @@
 """Engines of different tensor-parallel sizes handing KV to each other, end to end (issue 19).
 
-vLLM's CPU engines at TP 1 and TP 2 (two worker processes, one core each), for a dense model and the
-tiny hybrid, whose head counts divide by 2 (SmolLM2's 3 KV heads do not). Two PD workers, one of each
-TP size: one prefills a prompt (its KV, ``prompt[:-1]``) and streams it to the other, each producer
-rank sending each consumer rank the KV heads, Gated-DeltaNet heads and conv-component shares it owns,
-each consumer rank receiving on its own port (``kv_port + rank``). The receiving worker computes only
-the last prompt token, and its greedy tokens equal a colocated engine's.
+vLLM's CPU engines at TP 1 and TP 2 (one worker process per rank, one OpenMP thread each), for a dense
+model and the tiny hybrid, whose head counts divide by 2 (SmolLM2's 3 KV heads do not), and a dense
+model with one KV head, which vLLM replicates on both ranks at TP 2. Two PD workers, one of each TP
+size: one prefills a prompt (its KV, ``prompt[:-1]``) and streams it to the other, each producer rank
+sending each consumer rank the KV heads, Gated-DeltaNet heads and conv-component shares it owns, each
+consumer rank receiving on its own port (``kv_port + rank``). A replicated head crosses the link once:
+one producer rank sends it, to one consumer rank, which passes it on to the other. The receiving
+worker computes only the last prompt token, and its greedy tokens equal colocated engines'.
 
-A reference at TP 1 and one at TP 2 sum in different orders, so bf16 near-ties can break either way:
-only prompts on which both references agree, with every token ahead of the runner-up by at least
-``MARGIN`` nats, are checked (a rank given the wrong heads, or a contiguous slice of the conv state,
-answers something else).
+References at different TP sizes sum in different orders, so bf16 near-ties can break either way:
+only prompts that colocated references at both TP sizes answer alike, with every token ahead of the
+runner-up by at least ``MARGIN`` nats, are checked (a rank given the wrong heads, a contiguous slice
+of the conv state, or a replica left unfilled answers something else).
 """
 from __future__ import annotations
 
@@ -33,38 +35,45 @@ pytestmark = pytest.mark.e2e
 
 OUTPUT_TOKENS = 8
 BUDGET = 256                  # every engine's chunk budget; prompts of BUDGET + 1 tokens chunk alike
-CANDIDATES = 16              # half for each direction: a worker that prefilled a prompt has it cached
+CANDIDATES_PER_PAIR = 6     # each pair its own prompts: a worker that prefilled a prompt has it cached
 MARGIN = 0.1
-TP2_CPUS = "0|1"
+CPUS = {1: "1", 2: "0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size: one thread per rank
 
 
 @dataclass(frozen=True)
 class Model:
     name: str
+    tp_sizes: tuple[int, ...]  # one PD worker (role both) of each, named pd-tp<N>
+    pairs: tuple[tuple[int, int], ...]  # (prefill TP, decode TP)
 
     def path(self) -> str:
-        from services.models import tiny_dense, tiny_hybrid
+        from services.models.registry import prepare
 
-        return str((tiny_dense if self.name == tiny_dense.NAME else tiny_hybrid).prepare())
-
-
-MODELS = {"dense": Model("tiny-qwen3-dense"), "hybrid": Model("tiny-qwen3-next")}
-WORKERS = (  # name, TP size, CPUs: PD workers (role both) that prefill for each other over the KV transport
-    ("pd-tp1", 1, "1"),
-    ("pd-tp2", 2, TP2_CPUS),
-)
-PAIRS = (("pd-tp1", "pd-tp2"), ("pd-tp2", "pd-tp1"))
+        return str(prepare(self.name))
 
 
-def _prompts() -> list[list[int]]:
-    return [[random.Random(seed).randrange(3, 1024) for _ in range(BUDGET + 1)] for seed in range(CANDIDATES)]
+MODELS = {
+    "dense": Model("tiny-qwen3-dense", (1, 2), ((1, 2), (2, 1))),
+    "hybrid": Model("tiny-qwen3-next", (1, 2), ((1, 2), (2, 1))),
+    # 1 KV head, on both ranks at TP 2: passed on from the decode rank that receives it to the other
+    "mqa": Model("tiny-qwen3-mqa", (1, 2), ((1, 2), (2, 1))),
+}
+
+
+def _name(tp_size: int) -> str:
+    return f"pd-tp{tp_size}"
+
+
+def _prompts(model: Model) -> list[list[int]]:
+    return [[random.Random(seed).randrange(3, 1024) for _ in range(BUDGET + 1)]
+            for seed in range(CANDIDATES_PER_PAIR * len(model.pairs))]
 
 
 def _deployment(model: Model, tmp_path_factory) -> Deployment:
-    workers = [{"name": name, "service": "decode_worker", "role": "both",
+    workers = [{"name": _name(tp_size), "service": "decode_worker", "role": "both",
                 "kv_port": free_ports(tp_size) if tp_size > 1 else free_port(),
                 "engine": {"max_num_batched_tokens": BUDGET, "tensor_parallel_size": tp_size},
-                "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}} for name, tp_size, cpus in WORKERS]
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": CPUS[tp_size]}} for tp_size in model.tp_sizes]
     config = deployment_config(workers, model_path=f"builtin:{model.name}", model_name=model.name,
                                transport={"secret": "e2e-tp-secret"})
     return Deployment(config, tmp_path_factory.mktemp(f"tp-{model.name}"))
@@ -72,27 +81,28 @@ def _deployment(model: Model, tmp_path_factory) -> Deployment:
 
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
 def cluster(request, tmp_path_factory):
-    """The deployment, and the prompts both references answer alike and clearly, with that answer.
-    The references run while the deployment starts."""
+    """The deployment, and per pair the prompts that colocated references at both of its TP sizes
+    answer alike and clearly, with that answer. The references run while the deployment starts."""
     model = MODELS[request.param]
-    prompts = _prompts()
+    prompts = _prompts(model)
     budgets = [BUDGET] * len(prompts)
     with ThreadPoolExecutor(1) as executor:
-        references = executor.submit(lambda: [
-            greedy_token_margins(model.path(), prompts, budgets, OUTPUT_TOKENS),
-            greedy_token_margins(model.path(), prompts, budgets, OUTPUT_TOKENS, cpu=TP2_CPUS,
-                                 tensor_parallel_size=2)])
+        references = executor.submit(lambda: {
+            tp_size: greedy_token_margins(model.path(), prompts, budgets, OUTPUT_TOKENS, cpu=CPUS[tp_size],
+                                          tensor_parallel_size=tp_size) for tp_size in model.tp_sizes})
         deployment = _deployment(model, tmp_path_factory).start()
         try:
-            tp1, tp2 = references.result()
+            answers = references.result()
         except BaseException:
             deployment.stop()
             raise
-    expected = [[(prompt, a[0]) for i, (prompt, a, b) in enumerate(zip(prompts, tp1, tp2))
-                 if i % len(PAIRS) == direction and a[0] == b[0] and min(a[1], b[1]) >= MARGIN]
-                for direction in range(len(PAIRS))]
+    expected = {}
+    for index, (src, dst) in enumerate(model.pairs):
+        expected[src, dst] = [(prompt, answers[src][i][0]) for i, prompt in enumerate(prompts)
+                              if i % len(model.pairs) == index and answers[src][i][0] == answers[dst][i][0]
+                              and min(answers[src][i][1], answers[dst][i][1]) >= MARGIN]
     try:
-        assert all(expected), f"a direction has no prompt with a clear answer at both TP sizes: {tp1} {tp2}"
+        assert all(expected.values()), f"a pair has no prompt answered clearly at both its TP sizes: {answers}"
         yield model, deployment, expected
     finally:
         deployment.stop()
@@ -117,29 +127,31 @@ def _stream(deployment: Deployment, prefill: str, decode: str, prompt: list[int]
 
 
 def test_the_workers_announce_their_tp_sizes_and_the_router_maps_every_pair(cluster):
-    _, deployment, _ = cluster
-    for name, tp_size, _ in WORKERS:
-        spec = LayoutSpec.from_bytes(deployment.worker_stats(name).layout_spec)
-        assert spec.tp_size == tp_size and all(layer.parts[0].num_local_units == layer.parts[0].num_units // tp_size
-                                               for layer in spec.layers), spec
+    model, deployment, _ = cluster
+    for tp_size in model.tp_sizes:
+        spec = LayoutSpec.from_bytes(deployment.worker_stats(_name(tp_size)).layout_spec)
+        shares = [(part.num_local_units, max(1, part.num_units // tp_size)) for layer in spec.layers
+                  for part in layer.parts]
+        assert spec.tp_size == tp_size and all(local == share for local, share in shares), spec
 
     def pairs() -> list[dict]:
         return httpx.get(deployment.base_url + "/health", timeout=10).json()["layouts"]
 
-    assert wait_until(lambda: len(pairs()) == len(PAIRS), 30), pairs()
-    assert {(pair["prefill"], pair["decode"], pair["verdict"]) for pair in pairs()} == \
-        {(prefill, decode, "mappable") for prefill, decode in PAIRS}
+    workers = [_name(tp_size) for tp_size in model.tp_sizes]
+    every_pair = {(prefill, decode, "mappable") for prefill in workers for decode in workers if prefill != decode}
+    assert wait_until(lambda: len(pairs()) == len(every_pair), 30), pairs()
+    assert {(pair["prefill"], pair["decode"], pair["verdict"]) for pair in pairs()} == every_pair
 
 
-@pytest.mark.parametrize("direction", range(len(PAIRS)), ids=["tp1-to-tp2", "tp2-to-tp1"])
-def test_kv_streamed_between_tp_sizes_decodes_as_a_colocated_engine(cluster, direction):
+@pytest.mark.parametrize("pair", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_kv_streamed_between_tp_sizes_decodes_as_a_colocated_engine(cluster, pair):
     _, deployment, expected = cluster
-    prefill, decode = PAIRS[direction]
-    for prompt, tokens in expected[direction]:
+    prefill, decode = _name(pair[0]), _name(pair[1])
+    for prompt, tokens in expected[pair]:
         replies = _stream(deployment, prefill, decode, prompt)
         # received, not computed: the decode worker has never seen this prompt (each direction has its own)
         assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1
-        assert [t for r in replies for t in r.token_ids] == tokens
+        assert [t for r in replies for t in r.token_ids] == tokens, f"{prefill} -> {decode}"
     for name in (prefill, decode):
         log = deployment.child(name).log_tail(200_000)
         assert "KV layout mismatch" not in log and "KV transfer dropped" not in log, name

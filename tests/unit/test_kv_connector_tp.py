@@ -21,7 +21,7 @@ from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
 from services.kv_connector.layout_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
-from services.kv_transport import Frame, TransferDone, protocol
+from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 4, 4, 4, 4, 3  # at TP 4 the 2 KV heads are replicated, these not
@@ -33,9 +33,10 @@ class _Wire:
     """Stands in for one rank's KVTransport: sends are recorded with their address; ``poll`` hands
     out what the test delivered."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int) -> None:
         self.sent: list[tuple[str, object]] = []
         self.pending: list = []
+        self.listen_host, self.port = "127.0.0.1", port
 
     def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
         self.sent.append((peer, Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT)))
@@ -53,11 +54,14 @@ class _Wire:
     def forget(self, transfer_id: str) -> None:
         pass
 
+    def abort(self, peer: str, transfer_id: str, reason: str) -> None:
+        self.sent.append((peer, TransferFailed(transfer_id, reason)))
 
-def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool) -> PrfaasConnectorWorker:
-    """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer,
-    group 1) at ``tp_size``, caches in vLLM's CPU layout, random (``fill``) or zero."""
-    heads, k_heads, v_heads = max(1, HEADS // tp_size), K_HEADS // tp_size, V_HEADS // tp_size
+
+def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int = HEADS) -> PrfaasConnectorWorker:
+    """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer
+    of ``kv_heads`` KV heads, group 1) at ``tp_size``, caches in vLLM's CPU layout, random (``fill``) or zero."""
+    heads, k_heads, v_heads = max(1, kv_heads // tp_size), K_HEADS // tp_size, V_HEADS // tp_size
     conv_dim = 2 * k_heads * K_DIM + v_heads * V_DIM
     page_bytes = max(256, (conv_dim * STATE_LEN + v_heads * V_DIM * K_DIM) * 2)
     state = SimpleNamespace(block_size=block_size, shapes=((STATE_LEN, conv_dim), (v_heads, V_DIM, K_DIM)),
@@ -66,13 +70,15 @@ def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool) -> PrfaasConn
     config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
         SimpleNamespace(layer_names=["l0"], kv_cache_spec=state),
         SimpleNamespace(layer_names=["l1"], kv_cache_spec=attention)])
-    generator = torch.Generator().manual_seed(100 * tp_size + tp_rank)
+    # ranks that replicate a KV head hold the same KV for it, as vLLM's do
+    generator = torch.Generator().manual_seed(100 * tp_size + tp_rank // max(1, tp_size // kv_heads))
     attention_cache = torch.randn(NUM_BLOCKS, heads, block_size, 2 * HEAD_SIZE, generator=generator)
+    generator = torch.Generator().manual_seed(100 * tp_size + tp_rank)
     state_cache = torch.randn(NUM_BLOCKS, page_bytes // 2, generator=generator).to(torch.bfloat16).view(torch.uint8)
     caches = {"l0": state_cache if fill else torch.zeros_like(state_cache),
               "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
-    spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, HEADS, cache_layout=CPU_K_TRANSPOSED)
-    worker = PrfaasConnectorWorker(_Wire, idle_timeout_s=10.0, max_early_bytes=1 << 24)
+    spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads, cache_layout=CPU_K_TRANSPOSED)
+    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank), idle_timeout_s=10.0, max_early_bytes=1 << 24)
     worker.register_kv_caches(KVLayout(config, caches), spec)
     return worker
 
@@ -94,17 +100,33 @@ def _prefill(producers, blocks: list[int], consumer_tp: int, chunks=((0, 40), (4
 
 def _deliver(producers, consumers, blocks: list[int], shuffle_seed: int = 0):
     """Each consumer rank gets what was addressed to its port, streams interleaved (as several TCP
-    connections deliver them), then runs a step."""
-    results = []
-    for rank, consumer in enumerate(consumers):
-        address = f"127.0.0.1:{7000 + rank}"
-        events = [event for producer in producers for peer, event in producer.streams.sent if peer == address]
-        random.Random(shuffle_seed + rank).shuffle(events)
+    connections deliver them), and runs steps; what a rank passes on to its replicas is delivered the
+    same way, until nothing more moves. Returns each rank's finished and failed requests."""
+    for consumer in consumers:
         consumer.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec("r", "t", ((blocks[-1],), tuple(blocks)),
                                                                      0, NUM_TOKENS)]))
-        consumer.streams.pending = events
-        results.append(consumer.get_transfer_results())
-    return results
+    finished = [set() for _ in consumers]
+    failed = [set() for _ in consumers]
+    senders, delivered = list(producers) + list(consumers), {}
+    for round_ in range(4):
+        for consumer in consumers:
+            consumer.forwarder.wait_idle()  # what a rank passed on in the last round is on its way
+        for rank, consumer in enumerate(consumers):
+            address = f"127.0.0.1:{7000 + rank}"
+            events = [event for sender in senders for i, (peer, event) in enumerate(sender.streams.sent)
+                      if peer == address and delivered.setdefault((id(sender), i), rank) == rank
+                      and (id(sender), i, "done") not in delivered]
+            for sender in senders:
+                for i, (peer, _) in enumerate(sender.streams.sent):
+                    if peer == address:
+                        delivered[(id(sender), i, "done")] = rank
+            random.Random(shuffle_seed + 10 * round_ + rank).shuffle(events)
+            # a stream's end is reported once all its frames are in (the receiver counts them)
+            consumer.streams.pending = sorted(events, key=lambda event: isinstance(event, TransferDone))
+            results = consumer.get_transfer_results()
+            finished[rank] |= results.finished_recving
+            failed[rank] |= results.failed_recving
+    return [SimpleNamespace(finished_recving=f, failed_recving=x) for f, x in zip(finished, failed)]
 
 
 def _heads(worker, blocks: list[int], block_size: int) -> torch.Tensor:
@@ -125,12 +147,17 @@ def _state(worker, block: int) -> dict[str, torch.Tensor]:
     return {**parts, "ssm": temporal_state_view(page, spec)}
 
 
-def _whole(per_rank: list, dim: int):
+def _distinct(per_rank: list, dim: int, units: int):
+    """The ranks' shares side by side, each replicated share once (with more ranks than ``units``,
+    vLLM gives consecutive ranks the same unit)."""
+    if len(per_rank) > units:
+        per_rank = per_rank[::len(per_rank) // units]
     return torch.cat(per_rank, dim=dim)
 
 
 @pytest.mark.parametrize("src_tp, dst_tp, src_block, dst_block", [(1, 2, 32, 32), (2, 1, 32, 32), (1, 2, 16, 32),
-                                                                   (2, 1, 64, 32), (2, 2, 16, 32)])
+                                                                   (2, 1, 64, 32), (2, 2, 16, 32), (1, 4, 32, 32),
+                                                                   (2, 4, 16, 32), (4, 1, 32, 32), (4, 2, 32, 16)])
 def test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block):
     producers = [_rank(src_tp, r, src_block, fill=True) for r in range(src_tp)]
     consumers = [_rank(dst_tp, r, dst_block, fill=False) for r in range(dst_tp)]
@@ -139,14 +166,18 @@ def test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_b
     results = _deliver(producers, consumers, dst_blocks)
     assert all(r.finished_recving == {"r"} and r.failed_recving == set() for r in results), results
 
-    sent_heads = _whole([_heads(p, src_blocks, src_block) for p in producers], dim=1)
-    got_heads = _whole([_heads(c, dst_blocks, dst_block) for c in consumers], dim=1)
+    sent_heads = _distinct([_heads(p, src_blocks, src_block) for p in producers], dim=1, units=HEADS)
+    got_heads = _distinct([_heads(c, dst_blocks, dst_block) for c in consumers], dim=1, units=HEADS)
     assert torch.equal(got_heads, sent_heads)
     sent_states = [_state(p, src_blocks[-1]) for p in producers]
     got_states = [_state(c, dst_blocks[-1]) for c in consumers]
+    if dst_tp > HEADS:  # every replica holds its heads, as the rank that received them does
+        for rank in range(dst_tp):
+            assert torch.equal(_heads(consumers[rank], dst_blocks, dst_block),
+                               _heads(consumers[rank ^ 1], dst_blocks, dst_block))
     for part in ("query_key", "key", "value", "ssm"):
         dim = 0 if part == "ssm" else 1
-        got, sent = (_whole([state[part] for state in states], dim) for states in (got_states, sent_states))
+        got, sent = (_distinct([state[part] for state in states], dim, K_HEADS) for states in (got_states, sent_states))
         assert torch.equal(got, sent), part
 
 
@@ -163,14 +194,20 @@ def test_a_contiguous_slice_of_the_conv_state_is_not_what_a_rank_receives():
     assert not torch.equal(received, conv[:, :conv.shape[1] // 2])
 
 
-def test_each_head_crosses_the_link_once():
-    """TP 1 -> 2: the producer sends each consumer rank half the attention bytes, not all of them."""
+def _attention_bytes_sent(consumer_tp: int) -> dict[str, int]:
+    """Attention KV bytes a TP 1 producer sends each consumer rank's address for one prompt."""
     producer = _rank(1, 0, 32, fill=True)
-    _prefill([producer], _blocks(32, 1), 2)
+    _prefill([producer], _blocks(32, 1), consumer_tp)
     sizes: dict[str, int] = {}
     for peer, event in producer.streams.sent:
         if isinstance(event, Frame) and event.kind == protocol.DATA and event.group == 1:
             sizes[peer] = sizes.get(peer, 0) + len(event.payload)
+    return sizes
+
+
+def test_each_head_crosses_the_link_once():
+    """TP 1 -> 2: the producer sends each consumer rank half the attention bytes, not all of them."""
+    sizes = _attention_bytes_sent(2)
     whole = NUM_TOKENS // 32 * 32 + 32  # blocks holding the prompt's tokens
     assert sizes == {"127.0.0.1:7000": whole * HEADS // 2 * 2 * HEAD_SIZE * 2,
                      "127.0.0.1:7001": whole * HEADS // 2 * 2 * HEAD_SIZE * 2}
@@ -200,22 +237,103 @@ def test_routes_address_each_consumer_rank_at_its_port_and_name_each_producer_ra
     assert wire_id("cmpl-1", _rank(1, 0, 32, fill=False)._spec) == "cmpl-1"
 
 
-def test_a_consumer_that_would_replicate_heads_gets_the_layout_alone_and_refuses_it_at_once(caplog):
-    """TP 1 -> 4 replicates the 2 KV heads, which the data path does not carry: the producer says why
-    and sends every consumer rank its announcement and the end, no KV; each rank fails the transfer
-    at once (vLLM recomputes the prompt) instead of waiting for KV that never comes."""
-    from services.kv_connector.tp_routes import plan_routes
+def test_replicated_heads_cross_the_link_once():
+    """TP 1 -> 4 replicates the 2 KV heads (and GDN heads): the producer sends each unit to one of its
+    holders, which passes it on to the other over loopback."""
+    sizes = _attention_bytes_sent(4)
+    whole = NUM_TOKENS // 32 * 32 + 32
+    assert sum(sizes.values()) == whole * HEADS * 2 * HEAD_SIZE * 2  # all heads, once
+
+
+def _attention_only(tp_size: int, tp_rank: int, kv_heads: int):
+    """The layout and announcement of one rank of an engine with one full-attention layer."""
+    from services.kv_connector.reblock import announcement
+
+    attention = SimpleNamespace(block_size=32, num_kv_heads=max(1, kv_heads // tp_size), head_size=HEAD_SIZE,
+                                dtype=torch.bfloat16)
+    group = SimpleNamespace(layer_names=["l"], kv_cache_spec=attention)
+    config = SimpleNamespace(num_blocks=4, kv_cache_groups=[group])
+    caches = {"l": torch.zeros(4, attention.num_kv_heads, 32, 2 * HEAD_SIZE, dtype=torch.bfloat16)}
+    layout = KVLayout(config, caches)
+    spec = spec_from_vllm("tiny", config, ["l"], tp_rank, tp_size, kv_heads, cache_layout=CPU_K_TRANSPOSED)
+    return layout, spec, announcement(layout.fingerprint, spec)
+
+
+def test_one_kv_head_on_every_rank_is_mapped_though_the_ranks_pages_look_alike():
+    """With one KV head each rank's pages have the same shape at TP 1 and TP 2, so the fingerprints
+    agree; the TP sizes do not (regression: the consumer took the producer's frames as whole pages,
+    passed nothing on, and the sibling rank kept zeros for the layers it replicates)."""
+    from services.kv_connector.reblock import ReblockPlans
+
+    _, _, producer = _attention_only(1, 0, kv_heads=1)
+    layout, spec, _ = _attention_only(2, 0, kv_heads=1)
+    assert layout.fingerprint == _attention_only(1, 0, kv_heads=1)[0].fingerprint
+    plan = ReblockPlans(layout, spec).plan(producer)
+    assert plan is not None and not isinstance(plan, str), plan
+    assert plan.sources == ((0, None),) and plan.replicas == (1,)  # rank 0 receives the head, passes it to 1
+    assert ReblockPlans(layout, spec).plan(_attention_only(2, 0, kv_heads=1)[2]) is None  # same TP: pages as they are
+
+
+def _fed_consumers(producer, blocks: list[int]):
+    """TP 4 consumer ranks, with the producer's frames to rank 1 waiting in its receiver: rank 1 receives
+    KV head 0 and passes it on to rank 0, which replicates it."""
+    consumers = [_rank(4, r, 32, fill=False) for r in range(4)]
+    for consumer in consumers:
+        consumer.on_metadata(PrfaasConnectorMetadata(recvs=[RecvSpec("r", "t", ((blocks[-1],), tuple(blocks)),
+                                                                     0, NUM_TOKENS)]))
+    consumers[1].streams.pending = [event for peer, event in producer.streams.sent if peer == "127.0.0.1:7001"]
+    return consumers
+
+
+def test_a_rank_passing_kv_on_does_not_wait_for_its_siblings_in_its_step():
+    """A sibling empties its receiver only in its next engine step, which vLLM starts once every rank
+    finished this one: a rank that waited in its step for room at a sibling would hang the engine
+    (regression: TP 1 -> 4 hung 30 s and recomputed). Its step returns while the sends wait; they go
+    on, in order, once the sibling takes frames again."""
+    import threading
 
     producer = _rank(1, 0, 32, fill=True)
-    routes, problem = plan_routes(producer._spec, 4)
-    assert [route.dst_rank for route in routes] == [0, 1, 2, 3] and all(route.pieces == {} for route in routes)
-    assert "replicates" in problem
     blocks = _blocks(32, 1)
     _prefill([producer], blocks, 4)
-    assert not any(event.kind == protocol.DATA for _, event in producer.streams.sent if isinstance(event, Frame))
-    consumers = [_rank(4, r, 32, fill=False) for r in range(4)]
-    results = _deliver([producer], consumers, blocks)
-    assert all(r.failed_recving == {"r"} for r in results) and "KV layout mismatch" in caplog.text
+    consumers = _fed_consumers(producer, blocks)
+    room = threading.Event()
+    wire = consumers[1].streams
+    sends = {name: getattr(wire, name) for name in ("send", "send_layout", "finish")}
+
+    def waiting(name):
+        def send(*args):
+            assert room.wait(10.0), "the test never made room"
+            sends[name](*args)
+        return send
+
+    for name in sends:
+        setattr(wire, name, waiting(name))
+    assert consumers[1].get_transfer_results().finished_recving == {"r"}  # its own share is in
+    assert wire.sent == []
+    room.set()
+    consumers[1].forwarder.wait_idle()
+    passed_on = [event for peer, event in wire.sent if peer == "127.0.0.1:7000"]
+    assert passed_on[0].is_layout and isinstance(passed_on[-1], TransferDone)
+    assert len(passed_on) > 2 and {event.transfer_id for event in passed_on} == {"t#f1"}
+
+
+def test_a_transfer_that_fails_on_the_receiving_rank_fails_on_its_replicas_at_once():
+    """The rank passing KV on aborts the streams it passes on when its own transfer fails, so its
+    replicas fail it too instead of waiting idle_timeout_s for an end that never comes."""
+    producer = _rank(1, 0, 32, fill=True)
+    blocks = _blocks(32, 1)
+    _prefill([producer], blocks, 4)
+    consumers = _fed_consumers(producer, blocks)
+    frames = consumers[1].streams.pending
+    last_data = max(i for i, event in enumerate(frames) if isinstance(event, Frame) and not event.is_layout)
+    bad = frames[last_data]
+    frames[last_data] = Frame(bad.transfer_id, bad.layer, bad.group, bad.block_start, bad.num_blocks,
+                              memoryview(bytes(len(bad.payload) - 2)))  # a frame of the wrong size
+    assert consumers[1].get_transfer_results().failed_recving == {"r"}
+    consumers[1].forwarder.wait_idle()
+    consumers[0].streams.pending = [event for peer, event in consumers[1].streams.sent if peer == "127.0.0.1:7000"]
+    assert isinstance(consumers[0].streams.pending[-1], TransferFailed)
+    assert consumers[0].get_transfer_results().failed_recving == {"r"}
 
 
 def test_an_engine_of_several_tp_ranks_does_not_use_the_cache_pool(caplog):

@@ -41,9 +41,7 @@ WORKERS = [
     (CPU_16, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (CPU_16, gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), CPU_16, "mappable", ""),
-    (CPU_16, gdn_model(4, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "unmappable",
-     "the consumer's TP 4 replicates query_key units of layer 0 on several ranks, which the KV data path does not "
-     "fill yet"),
+    (CPU_16, gdn_model(4, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),  # replicates KV heads
     (b"", BF16, "unknown", "the prefill worker announces no layout"),
     (BF16, b"", "unknown", "the decode worker announces no layout"),
     (BF16, b'{"version": 99}', "unknown", "the decode worker's layout is unreadable here: layout spec version 99"),

@@ -82,7 +82,8 @@ class WorkerConfig:
                              "`/health` `layouts`) and prefills its prompts elsewhere. Null: `model.dtype`.")
     env: dict[object, object] = _opt({}, "Environment variables set in the worker process before its engine "
                                      "starts (e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their "
-                                     "own cores).")
+                                     "own cores: a CPU list there, all TP ranks' lists together, also keeps the "
+                                     "worker's other processes on those CPUs).")
 
 
 @dataclass(frozen=True, slots=True)

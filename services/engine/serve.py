@@ -17,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
-from services.engine import shm_ledger
+from services.engine import ipc_dir, shm_ledger
+from services.engine.cpus import confine_worker
 from services.engine.engine import Engine
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
@@ -56,11 +57,13 @@ async def serve_worker(
     config: DeploymentConfig, worker: WorkerConfig, add_servicer: AddServicer, grace_s: float = 30.0
 ) -> None:
     """Run one worker until SIGTERM/SIGINT. ``add_servicer`` registers the service, returns its name."""
+    confine_worker()
     security = GrpcSecurity.of(config)
     guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
     server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    ipc = ipc_dir.prepare()
     engine = Engine(engine_args(config.model_for(worker), config.engine_for(worker),
                                 kv_transfer_config=kv_transfer_config(config, worker)))
     service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
@@ -90,6 +93,7 @@ async def serve_worker(
         if probes is not None:
             await probes.stop(0)
         engine.shutdown()
+        ipc_dir.remove(ipc)
         shm_ledger.forget(ledger)
         logger.info("%s %s stopped", worker.service, worker.name)
 

@@ -90,7 +90,7 @@ def sweep(ledger: Path) -> list[str]:
         logger.warning("ignoring unreadable shared-memory ledger %s", ledger)
         ledger.unlink(missing_ok=True)
         return []
-    if _alive(pid):
+    if process_alive(pid):
         return []
     still_mapped = mapped_segments(int(e) for e in os.listdir("/proc") if e.isdigit())
     removed = []
@@ -119,7 +119,8 @@ def _in_shm_dir(path: str) -> bool:
             and not os.path.islink(path))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """A process ``pid`` exists (ours or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

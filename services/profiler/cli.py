@@ -153,7 +153,8 @@ def _engine(target):
 def _set_environment(env: dict[str, str], verbose: bool) -> list[int] | None:
     """The worker's environment, the engine in this process, and on CPU hosts the worker's CPUs (vLLM
     binds them only in a worker process it spawns). Returns the CPUs bound, if any."""
-    from services.profiler.setup import ProfileSetupError, engine_cpus
+    from services.engine.cpus import engine_cpus
+    from services.profiler.setup import ProfileSetupError
 
     os.environ.update(env)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: see profiler/engine.py

@@ -4,7 +4,7 @@ the profiler times exactly the steps it means: a prompt's prefill, or decode ste
 The engine core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the CLI
 before vLLM is imported): it starts in seconds rather than ~30 s, and its KV cache config is at hand.
 It measures what a worker's engine does once it runs on the worker's CPUs (the CLI binds them, see
-``setup.engine_cpus``): SmolLM2-135M on one core of this project's 2-core machine, prefill of
+``services.engine.cpus``): SmolLM2-135M on one core of this project's 2-core machine, prefill of
 128/512/1024/2000 tokens and decode steps at batch 1/4/16, in-process vs a spawned engine core, two
 runs each: every figure within 10% (e.g. 1024 tokens 0.73-0.81 s vs 0.74-0.87 s; batch 16 36-38 ms
 both). Unbound, the in-process engine ran two threads and prefilled 2x faster than the worker.

@@ -53,25 +53,6 @@ def target_of(config: DeploymentConfig, worker_name: str | None) -> Target:
     return Target(config.model, engine, worker, path)
 
 
-def engine_cpus(bind: str | None, allowed: set[int]) -> list[int] | None:
-    """The CPUs vLLM's CPU backend gives a worker's engine (its ``VLLM_CPU_OMP_THREADS_BIND``): the
-    listed ones (the first rank's, ``0-3,6`` syntax); for ``auto`` or unset all but the last, which
-    vLLM reserves for the scheduler process; None for ``nobind``. vLLM applies the binding only when
-    it spawns the worker process, so the profiler, which runs the engine in its own process, applies
-    it itself: measured in this project, an unbound in-process engine ran two threads and prefilled
-    2x faster than the single-core worker it stood for."""
-    if bind == "nobind":
-        return None
-    if bind in (None, "", "auto"):
-        cpus = sorted(allowed)
-        return cpus[:-1] if len(cpus) > 1 else cpus
-    cpus: list[int] = []
-    for part in bind.split("|")[0].split(","):
-        first, _, last = part.strip().partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return sorted(set(cpus))
-
-
 def grid_of(quick: bool, overrides: dict[str, Any]) -> Grid:
     """The quick or full grid with the given fields (non-None) replaced."""
     base = QUICK if quick else FULL

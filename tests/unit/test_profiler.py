@@ -262,6 +262,32 @@ def test_engine_that_fails_to_start_is_one_error(tmp_path):
     ("nobind", {0, 1}, None),
 ])
 def test_engine_cpus_follow_vllm_binding(bind, allowed, expected):
-    from services.profiler.setup import engine_cpus
+    from services.engine.cpus import engine_cpus
 
     assert engine_cpus(bind, allowed) == expected
+
+
+@pytest.mark.parametrize("bind, expected", [
+    ("0", {0}), ("0|1", {0, 1}), ("0-1,3|4", {0, 1, 3, 4}), ("auto", None), (None, None), ("nobind", None),
+])
+def test_a_worker_is_kept_on_every_cpu_its_engine_binding_lists(bind, expected):
+    from services.engine.cpus import all_rank_cpus
+
+    assert all_rank_cpus(bind) == expected
+
+
+def test_confining_a_worker_sets_this_process_affinity_and_its_children_inherit_it():
+    import os
+    import subprocess
+    import sys
+
+    from services.engine.cpus import confine_worker
+
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    code = ("import os; from services.engine.cpus import confine_worker; "
+            f"print(sorted(confine_worker({{'VLLM_CPU_OMP_THREADS_BIND': '{first}'}}) or []), "
+            "sorted(os.sched_getaffinity(0)), os.popen('grep Cpus_allowed_list /proc/self/status').read().split()[-1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1] == f"[{first}]" and out[2] == str(first)  # the grep child runs there too
+    assert confine_worker({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) is None and os.sched_getaffinity(0) == allowed

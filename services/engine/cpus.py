@@ -1,0 +1,69 @@
+"""The CPUs a worker's CPU engine runs on, from vLLM's ``VLLM_CPU_OMP_THREADS_BIND``.
+
+vLLM's CPU backend binds each TP rank's compute threads to the CPUs listed for it (``0-3,6``, ranks
+separated by ``|``), but only those threads: the worker's own process, vLLM's scheduler process (its
+engine core) and every thread they start run on any CPU. With engines bound to separate cores of one
+host, those processes then take time from the other engines' cores: measured in this project
+(bench/sim_vs_real.py's deployment at 3.2 req/s on 2 cores), the colocated worker's scheduler process
+used 0.35 of a core spread over both, and the PrfaaS prefill engine's compute thread got 0.79 of the
+core bound to it. ``confine_worker`` keeps a worker's whole process tree on its engine's CPUs, as the
+profiler's in-process engine is (``prfaas profile``), so what an engine costs stays on its own cores.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _cpu_list(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(cpus))
+
+
+def engine_cpus(bind: str | None, allowed: set[int]) -> list[int] | None:
+    """The CPUs vLLM's CPU backend gives an engine's first rank: the listed ones; for ``auto`` or unset
+    all but the last, which vLLM reserves for the scheduler process; None for ``nobind``."""
+    if bind == "nobind":
+        return None
+    if bind in (None, "", "auto"):
+        cpus = sorted(allowed)
+        return cpus[:-1] if len(cpus) > 1 else cpus
+    return _cpu_list(bind.split("|")[0])
+
+
+def all_rank_cpus(bind: str | None) -> set[int] | None:
+    """Every CPU an explicit binding lists, over all TP ranks; None when vLLM chooses (``auto``, unset)
+    or does not bind (``nobind``)."""
+    if bind in (None, "", "auto", "nobind"):
+        return None
+    return {cpu for rank in bind.split("|") for cpu in _cpu_list(rank)}
+
+
+def confine_worker(env: Mapping[str, str] = os.environ) -> set[int] | None:
+    """On a CPU host whose engine binding lists CPUs, keep this process and its children (vLLM's
+    scheduler and worker processes) on them. Returns the CPUs, or None when it leaves placement alone
+    (a GPU host, no explicit binding, or CPUs this process may not use: then it logs why)."""
+    if os.path.exists("/dev/nvidiactl"):
+        return None
+    try:
+        cpus = all_rank_cpus(env.get(BIND_ENV))
+    except ValueError:
+        logger.warning("%s=%r is not a CPU list; the worker's processes are not confined", BIND_ENV, env.get(BIND_ENV))
+        return None
+    if not cpus:
+        return None
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("cannot keep the worker on CPUs %s (%s=%r): %s", sorted(cpus), BIND_ENV, env.get(BIND_ENV), exc)
+        return None
+    logger.info("worker processes kept on CPUs %s (%s)", sorted(cpus), BIND_ENV)
+    return cpus

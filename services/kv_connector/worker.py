@@ -402,6 +402,10 @@ class PrfaasConnectorWorker:
                 finished.add(receiving.spec.req_id)
                 del self._receiving[transfer_id]
                 logger.debug("request %s: KV received", transfer_id)
+        if finished or failed_req_ids:
+            # the counters of a transfer that ended go out with this step: the engine may go idle
+            # after it, and an idle engine takes no step that would carry them
+            self._next_stats = 0.0
         return TransferResults(finished, failed_req_ids)
 
     def _forget(self, transfer_id: str, reason: str) -> None:

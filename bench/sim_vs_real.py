@@ -12,6 +12,11 @@ need on a small machine). Steps:
    after the prefill (what this CPU deployment does, measured: see ``runtime_model``), the
    deployment's threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
+   Then, from two light loads of ``--calibration-seconds`` each, the CPU the serving processes outside
+   the engines take per request (the router, the load generator, the workers' front ends): on this
+   machine they share the engines' cores, and the simulator slows the engines by the share they take
+   at each load (``simulation.host_cpu_s_per_request``; the engines' own processes are what the
+   profile measured).
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` with Poisson arrivals, and the
    simulator replays the very requests it sent (``prfaas simulate --replay``: each arrival time and
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +48,7 @@ from pathlib import Path
 import yaml
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
+from services.engine.shm_ledger import descendants
 from support.deployment import Deployment, deployment_config
 from support.netns import available, veth_link
 from support.ports import free_port
@@ -52,6 +60,7 @@ OUTPUT_TOKENS = 16
 LENGTH_SCALE = 0.015            # the paper's log-normal x 0.015: median ~300 tokens, at most 1,966
 LOADS = (0.35, 0.8, 1.5)        # shares of the predicted knee
 WARMUP_REQUESTS = 4
+CALIBRATION_RATES = (0.5, 1.5)  # req/s while the serving processes' CPU per request is measured
 KNEE_REQUESTS = 20_000
 TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
 GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
@@ -119,37 +128,40 @@ def lognormal_spec() -> dict:
             "max_tokens": w.lognormal_max * LENGTH_SCALE}
 
 
-def runtime_model(inputs, rtt_ms: float):
+def runtime_model(inputs, rtt_ms: float, host_cpu_s: float = 0.0):
     from services.simulator.runtime import parse_runtime
 
     # layerwise off: measured here, an idle long request's TTFT is its prefill plus its whole transfer,
     # not the prefill alone as layer-wise streaming gives on a GPU host (the prefill worker's sender
     # threads share the engine's one core with its busy compute threads, so the KV leaves after it).
     return parse_runtime(inputs.simulation).with_overrides(
-        {"link_rtt_ms": rtt_ms, "layerwise": False, "local_both": 1, "per_instance": True})
+        {"link_rtt_ms": rtt_ms, "layerwise": False, "local_both": 1, "per_instance": True,
+         "host_cpu_s_per_request": host_cpu_s, "host_cores": len(os.sched_getaffinity(0))})
 
 
-def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), seed: int = 0):
+def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), seed: int = 0,
+             host_cpu_s: float = 0.0):
     from services.planner.report import run_plan
     from services.simulator.setup import RunSpec, topology_for, workload_of
 
     plan = run_plan(inputs)
     return RunSpec("static", topology_for("static", inputs, plan), workload_of(inputs), rate, num_requests,
-                   THRESHOLD, seed=seed, runtime=runtime_model(inputs, rtt_ms), replay=tuple(replay))
+                   THRESHOLD, seed=seed, runtime=runtime_model(inputs, rtt_ms, host_cpu_s), replay=tuple(replay))
 
 
 def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
-    """The simulator's capacity (utilization law over its resources) for the workload's distribution."""
+    """The simulator's capacity (utilization law over its resources) for the workload's distribution,
+    engines on cores of their own."""
     from services.simulator.engine import simulate
 
     return simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
 
 
-def predict(inputs, rtt_ms: float, replay) -> dict:
+def predict(inputs, rtt_ms: float, replay, host_cpu_s: float) -> dict:
     from services.simulator.engine import simulate
 
     rate = len(replay) / max(replay[-1][0], 1e-9)
-    result = simulate(run_spec(inputs, rtt_ms, rate, len(replay), replay))
+    result = simulate(run_spec(inputs, rtt_ms, rate, len(replay), replay, host_cpu_s=host_cpu_s))
     summary = result.summary()
     ttfts = list(result.ttfts)
     return {"throughput": summary["throughput"], "offloaded_fraction": summary["offloaded_fraction"],
@@ -184,6 +196,33 @@ def measure(deployment: Deployment, rate: float, seconds: float, seed: int, out:
                 "requests": len(starts), "rate": len(starts) / window}
     order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
     return measured, [(arrivals[i], float(lengths[i])) for i in order]
+
+
+def serving_cpu_per_request(deployment: Deployment, seconds: float, seed: int, out: Path) -> float:
+    """CPU seconds per request of the processes outside the engines: this process's descendants (the
+    router, the workers' front ends) other than vLLM's engine processes, and the load generator (a
+    child that exits). Two light loads of equal length; the difference between them per request
+    leaves out what does not grow with requests (the load generator's start-up, idle polling)."""
+    def others() -> float:
+        total = 0.0
+        for pid in descendants(os.getpid()) - {os.getpid()}:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if not name.startswith("VLLM::"):
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return total + children.ru_utime + children.ru_stime
+
+    used, sent = [], []
+    for rate in CALIBRATION_RATES:
+        before = others()
+        _, replay = measure(deployment, rate, seconds, seed + 1, out)
+        used.append(others() - before)
+        sent.append(len(replay))
+    return max(0.0, (used[1] - used[0]) / (sent[1] - sent[0]))
 
 
 def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
@@ -259,6 +298,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loads", default=",".join(map(str, LOADS)),
                         help="shares of the predicted knee, light to overload (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default: 0)")
+    parser.add_argument("--calibration-seconds", type=float, default=30.0,
+                        help="each of two light loads (0.5 and 1.5 req/s) that measure the serving processes' "
+                        "CPU per request (default: 30)")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
@@ -293,10 +335,13 @@ def main(argv=None) -> int:
         deployment.start()
         rows = []
         try:
+            host_cpu_s = serving_cpu_per_request(deployment, args.calibration_seconds, args.seed, args.out)
+            print(f"sim_vs_real: the router, load generator and workers' front ends take {host_cpu_s * 1e3:.1f} ms "
+                  f"of CPU per request (of {len(os.sched_getaffinity(0))} cores the engines share)", flush=True)
             for share in args.shares:
                 started = time.monotonic()
                 measured, replay = measure(deployment, share * knee, args.seconds, args.seed, args.out)
-                predicted = predict(inputs, args.rtt_ms, replay)
+                predicted = predict(inputs, args.rtt_ms, replay, host_cpu_s)
                 rows.append({"share": share, "offered_rate": share * knee, "measured": measured,
                              "predicted": predicted})
                 print(f"sim_vs_real: {share:g}x the knee done in {time.monotonic() - started:.0f} s", flush=True)
@@ -304,7 +349,8 @@ def main(argv=None) -> int:
             deployment.stop()
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
-        {"knee_req_s": knee, "targets": TARGETS, "runtime": str(runtime_model(inputs, args.rtt_ms)), "rows": rows},
+        {"knee_req_s": knee, "targets": TARGETS, "host_cpu_s_per_request": host_cpu_s,
+         "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu_s)), "rows": rows},
         indent=2))
     plot(rows, args.out / "sim_vs_real.png")
     print(table(rows))

@@ -45,7 +45,7 @@ from services.simulator.observe import observe
 from services.simulator.prefill import PrefillCluster
 from services.simulator.results import SimResult, result_of
 from services.simulator.runtime import exposed_transfer_s
-from services.simulator.setup import RunSpec, colocated, deployment_views
+from services.simulator.setup import RunSpec, colocated, contended, deployment_views
 
 (PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED, BOTH_STEP,
  LOADED_BOTH) = range(10)
@@ -63,7 +63,8 @@ def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) 
 
 class _Simulation:
     def __init__(self, spec: RunSpec, controller: CongestionAwareThreshold | None) -> None:
-        self.topo = topo = colocated(spec.topology, spec.runtime.local_both)
+        self.topo = topo = contended(colocated(spec.topology, spec.runtime.local_both),
+                                     spec.runtime.contention_factor(spec.rate))
         if spec.policy != "homogeneous" and not topo.num_prfaas:
             raise ValueError(f"policy {spec.policy!r} needs PrfaaS prefill instances")
         if spec.policy in ("homogeneous", "static", "adaptive") and not topo.num_local_prefill + topo.num_both:

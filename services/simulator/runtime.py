@@ -25,6 +25,12 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
 - ``local_both``: N > 0 replaces the local PD cluster (its N_p prefill and N_d decode instances)
   with N colocated ``both`` workers, each one engine that prefills local-path requests and decodes
   every path (:mod:`services.simulator.colocated`); implies ``per_instance``.
+- ``host_cpu_s_per_request``, ``host_cores``: CPU engines that share their host with the serving
+  processes (the router, the API clients, the workers' front ends) lose the time those take: at an
+  offered rate λ the others use ``λ * host_cpu_s_per_request`` of the host's ``host_cores`` cores,
+  and every engine's prefill and decode steps take ``1 / (1 - that share)`` times what the profile
+  measured on a core of its own (:meth:`RuntimeModel.contention_factor`). 0: nothing else runs on the
+  engines' cores (GPU engines; a router on a host of its own).
 - ``admission``: the router's admission control (``services.scheduling.admission.admit``) judges
   each routed request; rejected requests are counted and enter no queue. ``max_in_flight``: its
   capacity (the router's ``max_in_flight_requests``; 0: ``max_batch_size`` per generating
@@ -42,6 +48,7 @@ GBPS = 1e9 / 8
 CONNECTIONS_PER_PEER = 8            # services.kv_transport.settings.TransportSettings.connections_per_peer
 TCP_WMEM_MAX_BYTES = 4 * MIB        # Linux's default net.ipv4.tcp_wmem maximum
 NOTSENT_LOWAT_BYTES = 1 * MIB       # TransportSettings.notsent_lowat_bytes
+MAX_HOST_SHARE = 0.9                # the most of the host's cores the serving processes take from engines
 
 
 class RuntimeInputError(ValueError):
@@ -58,6 +65,8 @@ class RuntimeModel:
     pool_load_gbps: float = 0.0
     per_instance: bool = False
     local_both: int = 0
+    host_cpu_s_per_request: float = 0.0
+    host_cores: int = 0
     admission: bool = False
     max_in_flight: int = 0
     admission_ttft_slo_s: float = 0.0
@@ -69,6 +78,9 @@ class RuntimeModel:
                   ("connection_window_bytes", self.connection_window_bytes >= 0, "must be 0 (unbounded) or positive"),
                   ("pool_load_gbps", self.pool_load_gbps >= 0, "must be 0 (loads take no time) or positive"),
                   ("local_both", self.local_both >= 0, "must be 0 (a prefill/decode split) or positive"),
+                  ("host_cpu_s_per_request", self.host_cpu_s_per_request >= 0,
+                   "must be 0 (nothing else on the engines' cores) or positive"),
+                  ("host_cores", self.host_cores >= 0, "must be 0 (unknown: no contention) or positive"),
                   ("max_in_flight", self.max_in_flight >= 0, "must be 0 (max_batch_size per instance) or positive"),
                   ("admission_ttft_slo_s", self.admission_ttft_slo_s >= 0, "must be 0 (no SLO) or positive")]
         for key, ok, message in checks:
@@ -95,6 +107,14 @@ class RuntimeModel:
         """What one transfer gets from a link of ``gbps``: the link's rate, or less when the
         connections' windows bound it."""
         return min(gbps * GBPS, self.window_bytes_per_s)
+
+    def contention_factor(self, rate: float) -> float:
+        """How much longer engine steps take than profiled at an offered ``rate`` (requests/s), with
+        the host's other processes taking ``rate * host_cpu_s_per_request`` of its ``host_cores``
+        cores (at most ``MAX_HOST_SHARE`` of them)."""
+        if self.host_cpu_s_per_request <= 0 or self.host_cores <= 0 or rate <= 0:
+            return 1.0
+        return 1.0 / (1.0 - min(MAX_HOST_SHARE, rate * self.host_cpu_s_per_request / self.host_cores))
 
     def load_s(self, kv_bytes: float) -> float:
         return kv_bytes / (self.pool_load_gbps * GBPS) if self.pool_load_gbps > 0 else 0.0

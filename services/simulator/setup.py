@@ -93,6 +93,19 @@ def colocated(topology: Topology, num_both: int) -> Topology:
     return replace(topology, num_local_prefill=0, num_decode=0, num_both=num_both)
 
 
+def contended(topology: Topology, factor: float) -> Topology:
+    """``topology`` with every engine's prefill latency and decode step ``factor`` times longer (the
+    share of their cores the host's other processes take: ``RuntimeModel.contention_factor``)."""
+    if factor == 1.0:
+        return topology
+
+    def slower(curve: PiecewiseLinear | None) -> PiecewiseLinear | None:
+        return None if curve is None else PiecewiseLinear(curve.xs, tuple(y * factor for y in curve.ys))
+
+    return replace(topology, decode_step_s=topology.decode_step_s * factor,
+                   prfaas_latency=slower(topology.prfaas_latency), local_latency=slower(topology.local_latency))
+
+
 def workload_of(inputs: PlanInputs) -> Workload:
     return Workload(TruncatedLogNormal.from_spec(inputs.workload.input_length), inputs.workload.output_tokens,
                     inputs.workload.prefix_hit)

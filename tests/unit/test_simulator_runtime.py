@@ -1,6 +1,7 @@
 """The simulator's runtime inputs: link round trip and connection windows, layer-wise overlap, pool
 hits and their load time, the router's placement policy, and the simulation: section and flags."""
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -161,8 +162,9 @@ def test_simulation_section_and_flags(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["runtime"] == {
         "chunk_tokens": 8192, "link_rtt_ms": 5.0, "connections": 8, "connection_window_bytes": 3 * MIB,
-        "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4, "admission": True,
-        "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
+        "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4,
+        "host_cpu_s_per_request": 0.0, "host_cores": 0, "admission": True, "max_in_flight": 0,
+        "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")
 
@@ -198,3 +200,28 @@ def test_replay_flag_replays_the_workload_file(tmp_path):
     assert fixed["policies"]["static"]["offloaded_fraction"] == sum(n > 50_000 for _, n in REPLAY) / len(REPLAY)
     refused = run_cli(CASE_STUDY, "--replay")
     assert refused.returncode == 2 and "--replay: needs --workload FILE" in refused.stderr
+
+
+def test_engines_lose_the_share_of_the_host_that_the_serving_processes_take():
+    """At 20 req/s, 25 ms of router and client CPU per request is half a core of 2: engine steps take
+    1 / (1 - 0.25) as long; the share is capped below the whole host."""
+    from services.simulator.runtime import MAX_HOST_SHARE, RuntimeModel
+
+    assert RuntimeModel().contention_factor(20.0) == 1.0
+    contended = RuntimeModel(host_cpu_s_per_request=0.025, host_cores=2)
+    assert contended.contention_factor(20.0) == pytest.approx(1 / 0.75)
+    assert contended.contention_factor(1e6) == pytest.approx(1 / (1 - MAX_HOST_SHARE))
+    with pytest.raises(RuntimeInputError, match="simulation.host_cores"):
+        RuntimeModel(host_cores=-1)
+
+
+def test_a_contended_host_slows_every_engine_in_the_simulation(case):
+    from services.simulator.runtime import RuntimeModel
+
+    spec = spec_for(case, "static", 1.0, 2_000)
+    alone = simulate(spec)
+    runtime = RuntimeModel(host_cpu_s_per_request=0.1 / spec.rate, host_cores=1)  # a tenth of the host
+    shared = simulate(replace(spec, runtime=runtime))
+    assert runtime.contention_factor(spec.rate) == pytest.approx(1 / 0.9)
+    assert shared.capacity() == pytest.approx(alone.capacity() * 0.9, rel=0.02)
+    assert statistics.fmean(shared.ttfts) > statistics.fmean(alone.ttfts)

@@ -19,6 +19,9 @@ def check_deployment(config: DeploymentConfig) -> None:
     check_cache_pools(config)
     if config.router.max_body_bytes is not None and config.router.max_body_bytes <= 0:
         raise ConfigError(f"router.max_body_bytes: must be positive, got {config.router.max_body_bytes!r}")
+    if config.router.max_handoffs_per_prefill_worker < 0:
+        raise ConfigError("router.max_handoffs_per_prefill_worker: must be 0 (no limit) or positive, got "
+                          f"{config.router.max_handoffs_per_prefill_worker!r}")
     for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
         if getattr(config.security, key) <= 0:
             raise ConfigError(f"security.{key}: must be positive, got {getattr(config.security, key)!r}")

@@ -97,6 +97,13 @@ class RouterConfig:
     request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
     stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
+    max_handoffs_per_prefill_worker: int = _opt(
+        8, "Hand-offs (a prompt prefilled on one worker, its KV streamed to a decode worker) one prefill worker is "
+        "given at once, counted until the decode worker's first token. More wait at the router: a decode worker "
+        "reserves KV cache for a hand-off as soon as it is given the request, so a backlog at a slow prefill "
+        "worker would otherwise fill decode workers' caches with space for KV still far off and stall their "
+        "local requests. A waiting request is prefilled locally if its prefill worker stops answering health "
+        "checks. 0: no limit.")
     max_body_bytes: int | None = _opt(
         None, "Largest HTTP request body; larger ones are answered 413 before they are read or parsed. Null: "
         "32 bytes per token of `model.max_model_len` plus 1 MiB (room for the longest prompt as JSON text or "

@@ -39,6 +39,21 @@ class _PrefillFailed(Exception):
     pass
 
 
+class _Handoff:
+    """One hand-off slot of a prefill worker; released once, by whichever comes first: the decode
+    worker's first token, or the end of the prefill call."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, slots: asyncio.Semaphore | None) -> None:
+        self._slots = slots
+
+    def release(self) -> None:
+        if self._slots is not None:
+            slots, self._slots = self._slots, None
+            slots.release()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """A request's one routing decision, made before admission (which reads its path) and served by
@@ -160,7 +175,18 @@ class Dispatcher:
     async def _start_with_handoff(self, request: GenerateInput, route: Route, decode: WorkerHandle):
         """The decode worker waits for KV that the prefill worker streams to it."""
         prefill = self._pool.handle(route.prefill)
-        await prefill.streams.acquire()  # released when the prefill call ends (_prefill_done)
+        prefill.num_in_flight += 1  # a hand-off waiting for its turn is the prefill worker's load already
+        try:
+            handoff = await self._handoff(prefill, request.request_id)
+        except BaseException:
+            prefill.num_in_flight -= 1
+            raise
+        try:
+            await prefill.streams.acquire()  # released when the prefill call ends (_prefill_done)
+        except BaseException:
+            prefill.num_in_flight -= 1
+            handoff.release()
+            raise
         try:
             self._metrics.routed.labels(route.path).inc()
             consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
@@ -171,23 +197,50 @@ class Dispatcher:
                 timeout=self._config.request_timeout_s)
             prefill_task = asyncio.ensure_future(prefill_call)
         except BaseException:
+            prefill.num_in_flight -= 1
             prefill.streams.release()
+            handoff.release()
             raise
-        prefill.num_in_flight += 1
-        prefill_task.add_done_callback(lambda task: self._prefill_done(task, request.request_id, prefill))
+        prefill_task.add_done_callback(lambda task: self._prefill_done(task, request.request_id, prefill, handoff))
         try:
             first = await self._first(call, decode, request.request_id, prefill_task, prefill)
         except BaseException:
             call.cancel()
             prefill_call.cancel()
             raise
+        finally:
+            handoff.release()  # the decode worker's reservation is in use now, or gone
         if first is None:
             prefill_call.cancel()
         return call, first
 
-    def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle) -> None:
+    async def _handoff(self, prefill: WorkerHandle, request_id: str) -> _Handoff:
+        """Waits for one of ``prefill``'s hand-off slots (RouterConfig.max_handoffs_per_prefill_worker).
+        Raises _PrefillFailed when the worker stops being usable (failed health checks) while this waits."""
+        if prefill.handoffs is None:
+            return _Handoff(None)
+        gauge = self._metrics.handoffs_waiting.labels(prefill.name)
+        prefill.num_handoffs_waiting += 1
+        gauge.set(prefill.num_handoffs_waiting)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._config.stats_interval_s):
+                        await prefill.handoffs.acquire()
+                    return _Handoff(prefill.handoffs)
+                except TimeoutError:
+                    if not self._pool.is_usable(prefill):
+                        logger.warning("request %s: prefill worker %s stopped answering while the request waited "
+                                       "for it; prefilling locally instead", request_id, prefill.name)
+                        raise _PrefillFailed() from None
+        finally:
+            prefill.num_handoffs_waiting -= 1
+            gauge.set(prefill.num_handoffs_waiting)
+
+    def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle, handoff: _Handoff) -> None:
         prefill.num_in_flight -= 1
         prefill.streams.release()
+        handoff.release()
         _log_prefill_outcome(task, request_id, prefill.name)
         if task.cancelled():
             return

@@ -61,6 +61,9 @@ class RouterMetrics:
                              "Worker KV cache in use, 0..1.", ("worker",))
     routed = Metric(Counter, "prfaas_router_routed_requests_total",
                     "Requests by prefill path: local, pd (local PD-P worker) or prfaas.", ("path",))
+    handoffs_waiting = Metric(Gauge, "prfaas_router_handoffs_waiting",
+                              "Requests routed to a prefill worker that wait at the router for one of its hand-off "
+                              "slots (router.max_handoffs_per_prefill_worker).", ("worker",))
     prefill_fallbacks = Metric(Counter, "prfaas_router_prefill_fallbacks_total",
                                "Remote prefills that failed and were redone locally.")
     worker_retries = Metric(Counter, "prfaas_router_worker_retries_total",

@@ -46,6 +46,10 @@ class WorkerHandle:
     # past that limit the worker refuses new streams (UNAVAILABLE) and its health checks fail with them,
     # so a request waits here for a stream instead.
     streams: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    # Hand-offs this worker prefills at once, until their decode worker's first token (None: no limit);
+    # see RouterConfig.max_handoffs_per_prefill_worker.
+    handoffs: asyncio.Semaphore | None = None
+    num_handoffs_waiting: int = 0
 
     @property
     def name(self) -> str:
@@ -104,7 +108,8 @@ class WorkerPool:
         self._metrics = metrics
         self._clock = clock
         self.kv_high_watermark = kv_high_watermark
-        self._handles = {w.name: _connect(w, backoff, flippable, security) for w in workers}
+        self._handles = {w.name: _connect(w, backoff, flippable, security, config.max_handoffs_per_prefill_worker)
+                         for w in workers}
         for name, size in (tp_sizes or {}).items():
             self._handles[name].tp_size = size
         self.layouts = LayoutNegotiation(metrics)
@@ -124,6 +129,10 @@ class WorkerPool:
     @property
     def handles(self) -> tuple[WorkerHandle, ...]:
         return tuple(self._handles.values())
+
+    def is_usable(self, handle: WorkerHandle) -> bool:
+        """Healthy and not backing off, now."""
+        return handle.usable(self._clock())
 
     def views(self) -> tuple[WorkerView, ...]:
         now_s = self._clock()
@@ -195,7 +204,8 @@ class WorkerPool:
         self._metrics.observe_kv_links(handle.name, handle.stats)
 
 
-def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, security: GrpcSecurity) -> WorkerHandle:
+def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, security: GrpcSecurity,
+             max_handoffs: int) -> WorkerHandle:
     channel = security.aio_channel(f"{worker.host}:{worker.port}")
     decode = pb_grpc.DecodeWorkerStub(channel) if worker.service == "decode_worker" else None
     prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both") or (
@@ -211,4 +221,5 @@ def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, secu
         backoff=Backoff(backoff),
         role=worker.role,
         streams=asyncio.Semaphore(max(1, security.max_concurrent_streams - STREAMS_RESERVED)),
+        handoffs=asyncio.Semaphore(max_handoffs) if prefill is not None and max_handoffs > 0 else None,
     )

@@ -1,0 +1,128 @@
+"""The router gives a prefill worker at most ``max_handoffs_per_prefill_worker`` hand-offs at once.
+
+Measured on the embedded default past its knee (bench/sim_vs_real.py at 1.5x): every long prompt went
+to the PrfaaS prefill worker at once, and the decode worker reserved KV cache for each of them while
+~110 waited for their prefill. The reservations (~635 tokens each) filled its 46,592-token cache, so
+its short, local requests waited too: mean TTFT 13.6 s for prompts of ~140 tokens, and the system
+served 18% less than the simulator predicted. Here real in-process gRPC workers hold every hand-off
+until released, and the router must keep the others waiting without holding up local requests.
+"""
+import asyncio
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from prfaas.v1 import worker_pb2 as wpb
+from prfaas.v1 import worker_pb2_grpc as wpb_grpc
+
+from services.config import parse_config
+from services.engine.types import GenerateInput, Sampling
+from services.router.dispatch import Dispatcher
+from services.router.metrics import RouterMetrics
+from services.router.workers import WorkerPool
+from services.security import GrpcSecurity
+
+MAX_HANDOFFS = 2
+NUM_LONG = 6
+NUM_SHORT = 3
+THRESHOLD = 4   # prompts longer than this many tokens go to the prefill worker
+
+
+class HeldWorkers(wpb_grpc.DecodeWorkerServicer, wpb_grpc.PrefillWorkerServicer):
+    """A decode worker and a prefill worker; hand-offs (both their calls) wait for ``release``."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.open_prefills = self.max_open_prefills = 0
+        self.open_consumers = self.max_open_consumers = 0
+        self.local_served = 0
+
+    async def Generate(self, request, context):
+        if not request.HasField("kv_source"):
+            self.local_served += 1
+            yield wpb.GenerateResponse(token_ids=[1], text="local", finish_reason="length")
+            return
+        self.open_consumers += 1
+        self.max_open_consumers = max(self.max_open_consumers, self.open_consumers)
+        try:
+            await self.release.wait()
+            yield wpb.GenerateResponse(token_ids=[2], text="remote", finish_reason="length")
+        finally:
+            self.open_consumers -= 1
+
+    async def Prefill(self, request, context):
+        self.open_prefills += 1
+        self.max_open_prefills = max(self.max_open_prefills, self.open_prefills)
+        try:
+            await self.release.wait()
+            return wpb.PrefillResponse(num_prompt_tokens=len(request.prompt_token_ids))
+        finally:
+            self.open_prefills -= 1
+
+
+async def _serve(servicer: HeldWorkers, security: GrpcSecurity):
+    server = grpc.aio.server(options=security.options)
+    wpb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    wpb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = security.add_port(server, "127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def _scenario(prefill_dies: bool):
+    security = GrpcSecurity()
+    servicer = HeldWorkers()
+    decode_server, decode_port = await _serve(servicer, security)
+    prefill_server, prefill_port = await _serve(servicer, security)
+    config = parse_config({
+        "model": {"name": "m", "path": "/m"},
+        "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": MAX_HANDOFFS},
+        "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
+                    {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+    metrics = RouterMetrics()
+    pool = WorkerPool(config.workers, config.router, metrics, security=security)
+    try:
+        for handle in pool.handles:
+            handle.healthy = True
+        dispatcher = Dispatcher(pool, config.router, metrics, threshold=THRESHOLD)
+
+        async def one(index: int, length: int) -> str:
+            request = GenerateInput(f"r{index}", list(range(1, length + 1)), Sampling(max_tokens=1))
+            return "".join([delta.text async for delta in dispatcher.generate(request)])
+
+        long = [asyncio.create_task(one(i, 2 * THRESHOLD)) for i in range(NUM_LONG)]
+        await asyncio.sleep(0.5)
+        short = [asyncio.create_task(one(NUM_LONG + i, 2)) for i in range(NUM_SHORT)]
+        short_answers = await asyncio.wait_for(asyncio.gather(*short), timeout=5)
+        waiting = metrics.handoffs_waiting.labels("p")._value.get()
+        if prefill_dies:
+            pool.handle("p").healthy = False
+            await asyncio.sleep(1.0)  # the waiting hand-offs notice within stats_interval_s
+            fell_back = servicer.local_served - NUM_SHORT
+        servicer.release.set()
+        long_answers = await asyncio.wait_for(asyncio.gather(*long), timeout=10)
+        return {"short": short_answers, "long": long_answers, "waiting": waiting,
+                "max_open_prefills": servicer.max_open_prefills, "max_open_consumers": servicer.max_open_consumers,
+                "fell_back": fell_back if prefill_dies else 0,
+                "fallbacks": metrics.prefill_fallbacks._value.get()}
+    finally:
+        await pool.close()
+        await decode_server.stop(0)
+        await prefill_server.stop(0)
+
+
+def test_hand_offs_past_the_limit_wait_at_the_router_and_local_requests_pass_them():
+    result = asyncio.run(_scenario(prefill_dies=False))
+    assert result["short"] == ["local"] * NUM_SHORT  # served while the hand-offs were held
+    assert result["waiting"] == NUM_LONG - MAX_HANDOFFS
+    assert result["max_open_prefills"] == MAX_HANDOFFS
+    assert result["max_open_consumers"] == MAX_HANDOFFS  # the decode worker reserved KV for no more
+    assert result["long"] == ["remote"] * NUM_LONG
+    assert result["fallbacks"] == 0
+
+
+def test_hand_offs_waiting_for_a_prefill_worker_that_stops_answering_are_prefilled_locally():
+    result = asyncio.run(_scenario(prefill_dies=True))
+    assert result["fell_back"] == NUM_LONG - MAX_HANDOFFS  # before the held ones were released
+    assert result["fallbacks"] == NUM_LONG - MAX_HANDOFFS
+    assert sorted(result["long"]) == ["local"] * (NUM_LONG - MAX_HANDOFFS) + ["remote"] * MAX_HANDOFFS

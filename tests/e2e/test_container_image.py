@@ -10,6 +10,7 @@ install: ~15 min here). Skipped only where podman is not installed; scripts/boot
 it as root on Debian, so CI runs it."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -74,6 +75,9 @@ def _state(name: str) -> str:
 
 
 def _wait_healthy(name: str, base: str) -> None:
+    """Until the router sees every worker healthy and their KV layouts agree: its /health answers 200
+    as soon as one worker can serve, and a long prompt sent before the prefill worker is up (or its
+    layout known) is rightly prefilled locally."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if _state(name) not in ("running", "created"):
@@ -81,12 +85,14 @@ def _wait_healthy(name: str, base: str) -> None:
             pytest.fail(f"the container stopped during start-up:\n{logs.stdout[-4000:]}{logs.stderr[-4000:]}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=3) as reply:
-                if reply.status == 200:
-                    return
+                health = json.loads(reply.read())
+            if health["workers"] and all(health["workers"].values()) and health["layouts"] and \
+                    all(pair["verdict"] == "mappable" for pair in health["layouts"]):
+                return
         except OSError:
             pass
         time.sleep(3)
-    pytest.fail(f"the router in the container was not healthy after {START_TIMEOUT_S} s")
+    pytest.fail(f"the router in the container did not see every worker healthy after {START_TIMEOUT_S} s")
 
 
 def _metric(base: str, sample: str) -> float:

@@ -63,7 +63,7 @@ LENGTH_SCALE = 0.015            # the paper's log-normal x 0.015: median ~300 to
 # much), more than the 25% the prediction is held to.
 LOADS = (0.35, 0.7, 1.5)
 WARMUP_REQUESTS = 4
-CALIBRATION_RATES = (0.5, 1.5)  # req/s while the serving processes' CPU per request is measured
+CALIBRATION_RATES = (0.5, 1.5)  # req/s while the CPU taken from the engines' cores per request is measured
 KNEE_REQUESTS = 20_000
 TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
 GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
@@ -313,8 +313,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shares of the predicted knee, light to overload (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default: 0)")
     parser.add_argument("--calibration-seconds", type=float, default=30.0,
-                        help="each of two light loads (0.5 and 1.5 req/s) that measure the serving processes' "
-                        "CPU per request (default: 30)")
+                        help="each of two light loads (0.5 and 1.5 req/s) that measure the CPU per request the "
+                        "engines' cores spend outside the engines (default: 30)")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")

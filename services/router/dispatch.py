@@ -219,9 +219,8 @@ class Dispatcher:
         Raises _PrefillFailed when the worker stops being usable (failed health checks) while this waits."""
         if prefill.handoffs is None:
             return _Handoff(None)
-        gauge = self._metrics.handoffs_waiting.labels(prefill.name)
-        prefill.num_handoffs_waiting += 1
-        gauge.set(prefill.num_handoffs_waiting)
+        waiting = self._metrics.handoffs_waiting.labels(prefill.name)
+        waiting.inc()
         try:
             while True:
                 try:
@@ -234,8 +233,7 @@ class Dispatcher:
                                        "for it; prefilling locally instead", request_id, prefill.name)
                         raise _PrefillFailed() from None
         finally:
-            prefill.num_handoffs_waiting -= 1
-            gauge.set(prefill.num_handoffs_waiting)
+            waiting.dec()
 
     def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle, handoff: _Handoff) -> None:
         prefill.num_in_flight -= 1

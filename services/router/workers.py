@@ -49,7 +49,6 @@ class WorkerHandle:
     # Hand-offs this worker prefills at once, until their decode worker's first token (None: no limit);
     # see RouterConfig.max_handoffs_per_prefill_worker.
     handoffs: asyncio.Semaphore | None = None
-    num_handoffs_waiting: int = 0
 
     @property
     def name(self) -> str:

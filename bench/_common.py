@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,13 +19,8 @@ for _path in (ROOT, ROOT / "tests"):  # the project, and tests/support (the netn
         sys.path.insert(0, str(_path))
 
 from support.netns import VethLink, available, veth_link  # noqa: E402
+from support.ports import free_port, free_ports  # noqa: E402,F401  (re-exported for the benches)
 from support.wan import wan_path  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def require(tool: str, package: str) -> str:

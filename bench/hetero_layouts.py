@@ -22,15 +22,13 @@ run one after another in this one process (in a deployment each is its own proce
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import _common  # noqa: F401  (puts the project on sys.path)
+import _common  # puts the project on sys.path
 import torch
 from _common import median, verdict
 
@@ -150,22 +148,6 @@ def all_heads(ranks: list[Engine], layer: str, num_tokens: int, model: Model) ->
     return torch.cat(per_rank[::same], dim=1)
 
 
-def consecutive_ports(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports (consumer rank r listens at first + r)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def transfer(producers: list[Engine], consumers: list[Engine], port: int, transfer_id: str, num_tokens: int,
              chunk: int) -> float:
     """Stream one request's KV; returns the seconds until every consumer rank reported it received."""
@@ -209,7 +191,7 @@ def transfer(producers: list[Engine], consumers: list[Engine], port: int, transf
 
 def run_pairing(model: Model, pairing: tuple[int, int, int, int], args) -> Result:
     prefill_block, decode_block, prefill_tp, decode_tp = pairing
-    port = consecutive_ports(decode_tp)
+    port = _common.free_ports(decode_tp)
     producers = [Engine(model, prefill_block, args.tokens, True, None, prefill_tp, rank) for rank in range(prefill_tp)]
     consumers = [Engine(model, decode_block, args.tokens, False, port + rank, decode_tp, rank)
                  for rank in range(decode_tp)]

@@ -4,6 +4,8 @@ A server a test starts in its own process binds port 0 and reports the port it g
 ``KVTransport.port``); nothing here is needed for it. ``free_port`` is only for deployments of
 separate processes whose ports must be written into a config file before they start: it is racy
 (another process may take the port between this check and the service's bind), which those tests accept.
+Within one process it never hands out the same port twice: the kernel may return a port it just gave,
+and two services of one config file must not be written the same port.
 """
 import contextlib
 import socket
@@ -11,11 +13,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A port nothing listened on a moment ago, for a config file written before its services start."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listened on a moment ago and not returned before by this process, for a config
+    file written before its services start."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port left that this process has not handed out already")
 
 
 def free_ports(count: int) -> int:
@@ -23,13 +34,14 @@ def free_ports(count: int) -> int:
     ``count`` TP ranks receives KV at ``kv_port + rank``)."""
     for _ in range(100):
         first = free_port()
-        if first + count - 1 > 65535:
+        if first + count - 1 > 65535 or _handed_out.intersection(range(first + 1, first + count)):
             continue
         try:
             with contextlib.ExitStack() as stack:
                 for port in range(first + 1, first + count):
                     sock = stack.enter_context(socket.socket())
                     sock.bind(("127.0.0.1", port))
+            _handed_out.update(range(first + 1, first + count))
             return first
         except OSError:
             continue

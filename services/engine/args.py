@@ -102,11 +102,22 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+# oneDNN keeps up to 1024 compiled GEMM primitives per process by default, and vLLM's CPU linear
+# layers ask for a new one for every batch size (tokens in a step) they meet: a CPU engine's memory then
+# grows for hours, in steps each time the load brings new batch sizes (measured: +105 MiB over 60 batches
+# of mixed sizes, still climbing; docs/reliability.md). vLLM keeps its own 32 most recent per weight
+# shape, so a small global cache bounds the memory at no measured cost in speed. A worker's ``env``
+# (or the environment) overrides it.
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 32
+
+
 def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=None):
-    """vLLM ``AsyncEngineArgs`` for one worker. Sets the CPU KV-cache size in the environment."""
+    """vLLM ``AsyncEngineArgs`` for one worker. Sets the CPU KV-cache size and oneDNN's primitive
+    cache capacity in the environment (inherited by the engine's processes) unless already set."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.cpu_kvcache_space_gib))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     path = str(resolve_model_path(model))
     return AsyncEngineArgs(
         model=path,

@@ -123,7 +123,7 @@ def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
         kv_connections_refused=msg.kv_connections_refused, kv_pool_tokens_loaded=msg.kv_pool_tokens_loaded,
         kv_pool_tokens_stored=msg.kv_pool_tokens_stored, kv_pool_loads_failed=msg.kv_pool_loads_failed,
         kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected),
-        layout_spec=msg.layout_spec)
+        layout_spec=msg.layout_spec, kv_protocol_version=msg.kv_protocol_version)
 
 
 def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_tp_size: int = 1) -> pb.PrefillRequest:

@@ -13,6 +13,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.engine import convert
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
+from services.kv_transport import PROTOCOL_VERSION as KV_PROTOCOL_VERSION
 from services.logs import bind_request_id
 
 logger = logging.getLogger(__name__)
@@ -69,4 +70,5 @@ def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) 
         max_model_len=engine.max_model_len if engine.started else 0,
         grpc_rejected=guard.rejections.snapshot(),
         layout_spec=engine.layout_spec,
+        kv_protocol_version=KV_PROTOCOL_VERSION,
     )

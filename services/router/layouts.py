@@ -4,7 +4,8 @@ either announcement, and never routes a prefill to a worker whose layout it cann
 pair is logged once, exported as a gauge and listed in ``/health``; its prompts prefill elsewhere
 (locally when no prefill worker can feed the decode worker).
 
-Verdicts: ``mappable``; ``unmappable`` (``plan_mapping`` found none, or found one that the KV data
+Verdicts: ``mappable``; ``unmappable`` (the two speak different versions of the KV wire protocol,
+as in a rolling upgrade; or ``plan_mapping`` found no mapping, or found one that the KV data
 path cannot carry yet, ``data_path_problem``: TP sizes must be equal; block sizes may differ between
 two of vLLM's CPU engines, whose consumer re-blocks what it receives);
 ``unknown`` (a side announced nothing, or something this router cannot read): allowed, as before
@@ -38,8 +39,25 @@ class PairVerdict:
         return {"prefill": self.prefill, "decode": self.decode, "verdict": self.verdict, "reason": self.reason}
 
 
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """What a worker's stats say about its KV: its rank-0 LayoutSpec (empty: none announced) and the
+    KV wire protocol version it speaks (0: not announced)."""
+    layout_spec: bytes = b""
+    kv_protocol_version: int = 0
+
+
+def judge(producer: Announcement, consumer: Announcement) -> tuple[Verdict, str]:
+    """The verdict on a producer's and a consumer's announcements."""
+    versions = producer.kv_protocol_version, consumer.kv_protocol_version
+    if all(versions) and versions[0] != versions[1]:
+        return "unmappable", (f"the prefill worker speaks KV protocol version {versions[0]}, the decode worker "
+                              f"{versions[1]} (upgrade both)")
+    return judge_layouts(producer.layout_spec, consumer.layout_spec)
+
+
 @lru_cache(maxsize=256)
-def judge(producer: bytes, consumer: bytes) -> tuple[Verdict, str]:
+def judge_layouts(producer: bytes, consumer: bytes) -> tuple[Verdict, str]:
     """The verdict on a producer's and a consumer's announced rank-0 specs (empty: none announced)."""
     specs = []
     for side, payload in (("prefill", producer), ("decode", consumer)):
@@ -79,7 +97,7 @@ class LayoutNegotiation:
         """The decode workers ``prefill`` must not send KV to."""
         return self._refused.get(prefill, frozenset())
 
-    def update(self, producers: Mapping[str, bytes], consumers: Mapping[str, bytes]) -> None:
+    def update(self, producers: Mapping[str, Announcement], consumers: Mapping[str, Announcement]) -> None:
         """Judge each pair of a producer and a consumer (other than itself) from their latest
         announcements; pairs with a worker absent here keep their last verdict."""
         for prefill, produced in producers.items():

@@ -15,7 +15,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.config import RouterConfig, WorkerConfig
 from services.engine import convert
 from services.engine.types import WorkerStats
-from services.router.layouts import LayoutNegotiation
+from services.router.layouts import Announcement, LayoutNegotiation
 from services.router.metrics import RouterMetrics
 from services.scheduling.backoff import Backoff, BackoffConfig
 from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
@@ -174,8 +174,9 @@ class WorkerPool:
     def negotiate_layouts(self) -> None:
         """Judge the layouts the serving workers announced in their last stats (see ``layouts``)."""
         serving = [h for h in self._handles.values() if h.healthy]
-        self.layouts.update({h.name: h.stats.layout_spec for h in serving if h.feeds_kv},
-                            {h.name: h.stats.layout_spec for h in serving if h.takes_kv})
+        announced = {h.name: Announcement(h.stats.layout_spec, h.stats.kv_protocol_version) for h in serving}
+        self.layouts.update({h.name: announced[h.name] for h in serving if h.feeds_kv},
+                            {h.name: announced[h.name] for h in serving if h.takes_kv})
 
     async def _poll_forever(self) -> None:
         while True:

@@ -14,7 +14,7 @@ from services.kv_connector import layout_map
 from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
 from services.router import layouts
 from services.router.app import RouterApp
-from services.router.layouts import LayoutNegotiation, PairVerdict, judge
+from services.router.layouts import Announcement, LayoutNegotiation, PairVerdict, judge, judge_layouts
 from services.router.metrics import RouterMetrics
 from services.router.workers import WorkerPool
 from support.layouts import gdn_model
@@ -47,8 +47,24 @@ WORKERS = [
     (BF16, b'{"version": 99}', "unknown", "the decode worker's layout is unreadable here: layout spec version 99"),
 ])
 def test_judge(producer, consumer, verdict, reason):
-    got_verdict, got_reason = judge(producer, consumer)
+    got_verdict, got_reason = judge(Announcement(producer, 3), Announcement(consumer, 3))
     assert got_verdict == verdict and reason in got_reason
+
+
+@pytest.mark.parametrize("versions, verdict", [((3, 3), "mappable"), ((2, 3), "unmappable"),
+                                               ((3, 4), "unmappable"), ((0, 3), "mappable"), ((3, 0), "mappable")])
+def test_workers_that_speak_different_kv_protocols_do_not_pair(versions, verdict):
+    # A rolling upgrade: the decode worker would refuse the prefill worker's handshake, and wait for
+    # KV that never comes until transport.recv_first_frame_timeout_s. 0: an older worker, allowed.
+    got_verdict, reason = judge(Announcement(BF16, versions[0]), Announcement(BF16, versions[1]))
+    assert got_verdict == verdict
+    if verdict == "unmappable":
+        assert reason == (f"the prefill worker speaks KV protocol version {versions[0]}, the decode worker "
+                          f"{versions[1]} (upgrade both)")
+
+
+def announced(**specs: bytes) -> dict[str, Announcement]:
+    return {name: Announcement(spec, 3) for name, spec in specs.items()}
 
 
 def value(metrics, name, **labels):
@@ -63,12 +79,12 @@ def test_a_pair_is_mapped_once_per_change_of_either_announcement(monkeypatch):
         return layout_map.plan_mapping(producers, consumers)
 
     monkeypatch.setattr(layouts, "plan_mapping", counting)
-    judge.cache_clear()
+    judge_layouts.cache_clear()
     negotiation = LayoutNegotiation(RouterMetrics())
     for _ in range(3):
-        negotiation.update({"p1": FP32, "p2": FP32, "p3": BF16}, {"d1": BF16, "d2": BF16})
+        negotiation.update(announced(p1=FP32, p2=FP32, p3=BF16), announced(d1=BF16, d2=BF16))
     assert sorted(calls) == [("bfloat16", "bfloat16"), ("float32", "bfloat16")]
-    negotiation.update({"p1": BF16}, {"d1": FP32})
+    negotiation.update(announced(p1=BF16), announced(d1=FP32))
     assert len(calls) == 3
 
 
@@ -77,7 +93,7 @@ def test_an_unmappable_pair_is_logged_once_counted_and_refused(caplog):
     negotiation = LayoutNegotiation(metrics)
     with caplog.at_level(logging.INFO, logger="services.router.layouts"):
         for _ in range(3):
-            negotiation.update({"p1": FP32, "p2": BF16}, {"d": BF16})
+            negotiation.update(announced(p1=FP32, p2=BF16), announced(d=BF16))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["KV layouts of prefill worker p1 and decode worker d do not map: different KV dtypes: "
                         "producer float32, consumer bfloat16; no KV goes from one to the other (their prompts "
@@ -87,9 +103,9 @@ def test_an_unmappable_pair_is_logged_once_counted_and_refused(caplog):
     assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p1", decode="d") == 1
     assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p2", decode="d") == 0
 
-    negotiation.update({"p2": BF16}, {"d": BF16})  # p1 unreachable: its verdict stands
+    negotiation.update(announced(p2=BF16), announced(d=BF16))  # p1 unreachable: its verdict stands
     assert negotiation.refused("p1") == {"d"}
-    negotiation.update({"p1": BF16}, {"d": BF16})  # restarted with the decode worker's layout
+    negotiation.update(announced(p1=BF16), announced(d=BF16))  # restarted with the decode worker's layout
     assert negotiation.refused("p1") == frozenset()
     assert value(metrics, "prfaas_router_layout_unmappable_pairs") == 0
     assert value(metrics, "prfaas_router_layout_pair_unmappable", prefill="p1", decode="d") == 0
@@ -99,8 +115,8 @@ def test_an_unmappable_pair_is_logged_once_counted_and_refused(caplog):
 def test_an_unknown_pair_is_allowed_and_logged_once(caplog):
     negotiation = LayoutNegotiation(RouterMetrics())
     with caplog.at_level(logging.INFO, logger="services.router.layouts"):
-        negotiation.update({"p1": b""}, {"d": BF16})
-        negotiation.update({"p1": b""}, {"d": BF16})
+        negotiation.update(announced(p1=b""), announced(d=BF16))
+        negotiation.update(announced(p1=b""), announced(d=BF16))
     assert len(caplog.records) == 1 and "unknown (the prefill worker announces no layout)" in caplog.text
     assert negotiation.refused("p1") == frozenset()
 
@@ -133,6 +149,20 @@ def test_the_pool_routes_no_prefill_across_an_unmappable_pair(announced, path, p
         return pool.route(5000, threshold_tokens=1000)
     route = run_with_pool(body)
     assert (route.path, route.decode, route.prefill) == (path, "d", prefill)
+
+
+def test_the_pool_routes_no_prefill_to_a_worker_of_another_kv_protocol():
+    async def body(pool, metrics):
+        versions = {"d": 3, "p1": 2, "p2": 3}
+        for handle in pool.handles:
+            handle.stats = WorkerStats(layout_spec=BF16, kv_protocol_version=versions[handle.name])
+        pool.negotiate_layouts()
+        routes = [pool.route(5000, threshold_tokens=1000) for _ in range(4)]
+        pool.handle("p2").healthy = False
+        return routes, pool.route(5000, threshold_tokens=1000)
+    routes, alone = run_with_pool(body)
+    assert {(r.path, r.prefill) for r in routes} == {("prfaas", "p2")}
+    assert alone.path == "local"
 
 
 def test_health_lists_every_pair_with_its_verdict():

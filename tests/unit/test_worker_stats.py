@@ -1,13 +1,17 @@
 """The connector's telemetry, from the transport's snapshot to the router's ``WorkerStats``."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 
 from services.engine import convert
+from services.engine.serve import WorkerIdentity
+from services.engine.servicers import stats_message
 from services.engine.types import EngineStats, LinkStats
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats
-from services.kv_transport import PeerSnapshot, TransportSnapshot
+from services.kv_transport import PROTOCOL_VERSION, PeerSnapshot, TransportSnapshot
 
 SNAPSHOT = ConnectorSnapshot(
     TransportSnapshot(peers=(PeerSnapshot("10.0.0.2:7000", connections=4, bytes_sent=4096, frames_sent=8,
@@ -44,3 +48,11 @@ def test_the_stats_rpc_carries_the_announced_layout():
     stats = convert.stats_from_proto(convert.stats_to_proto(EngineStats(), layout_spec=b'{"version": 1}'))
     assert stats.layout_spec == b'{"version": 1}'
     assert convert.stats_from_proto(convert.stats_to_proto(EngineStats())).layout_spec == b""
+
+
+def test_a_worker_announces_the_kv_protocol_it_speaks():
+    engine = SimpleNamespace(stats=EngineStats, started=False, max_model_len=0, layout_spec=b"")
+    guard = SimpleNamespace(rejections=SimpleNamespace(snapshot=dict))
+    message = stats_message(engine, WorkerIdentity("w", "decode_worker", "both", "m"), guard)
+    assert convert.stats_from_proto(message).kv_protocol_version == PROTOCOL_VERSION > 0
+    assert convert.stats_from_proto(convert.stats_to_proto(EngineStats())).kv_protocol_version == 0

@@ -85,7 +85,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused", "kv_pool_tokens_loaded", "kv_pool_tokens_stored", "kv_pool_loads_failed", "kv_pool_stores_failed", "grpc_rejected", "layout_spec")
+    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused", "kv_pool_tokens_loaded", "kv_pool_tokens_stored", "kv_pool_loads_failed", "kv_pool_stores_failed", "grpc_rejected", "layout_spec", "kv_protocol_version")
     class GrpcRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class WorkerStats(_message.Message):
     KV_POOL_STORES_FAILED_FIELD_NUMBER: _ClassVar[int]
     GRPC_REJECTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SPEC_FIELD_NUMBER: _ClassVar[int]
+    KV_PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     service: str
     role: str
@@ -133,7 +134,8 @@ class WorkerStats(_message.Message):
     kv_pool_stores_failed: int
     grpc_rejected: _containers.ScalarMap[str, int]
     layout_spec: bytes
-    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ..., grpc_rejected: _Optional[_Mapping[str, int]] = ..., layout_spec: _Optional[bytes] = ...) -> None: ...
+    kv_protocol_version: int
+    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ..., grpc_rejected: _Optional[_Mapping[str, int]] = ..., layout_spec: _Optional[bytes] = ..., kv_protocol_version: _Optional[int] = ...) -> None: ...
 
 class KvLinkStats(_message.Message):
     __slots__ = ("peer", "connections", "bytes_sent", "transfers_sent", "transfers_failed", "goodput_bps", "retransmits", "rtt_ms", "cwnd_segments", "delivery_rate_bps")

@@ -191,7 +191,8 @@ class SchedulerConfig:
     congestion_rtt_increase_ms: float = _opt(
         20.0, "RTT rise over the lowest RTT seen on a link that counts as congestion.")
     congestion_queue_depth: int = _opt(
-        8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion.")
+        8, "Waiting requests per healthy PrfaaS prefill worker that count as congestion (those queued on the "
+        "worker and those the router holds back for a hand-off slot, `router.max_handoffs_per_prefill_worker`).")
     reoptimize_interval_s: float = _opt(
         300.0, "With `adaptive_threshold`: every this many seconds, re-derive the threshold's base (the floor it "
         "returns to) and ceiling (the most it may be raised) from the planner's model with profiles measured "

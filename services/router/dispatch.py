@@ -220,7 +220,8 @@ class Dispatcher:
         if prefill.handoffs is None:
             return _Handoff(None)
         waiting = self._metrics.handoffs_waiting.labels(prefill.name)
-        waiting.inc()
+        prefill.num_handoffs_waiting += 1
+        waiting.set(prefill.num_handoffs_waiting)
         try:
             while True:
                 try:
@@ -233,7 +234,8 @@ class Dispatcher:
                                        "for it; prefilling locally instead", request_id, prefill.name)
                         raise _PrefillFailed() from None
         finally:
-            waiting.dec()
+            prefill.num_handoffs_waiting -= 1
+            waiting.set(prefill.num_handoffs_waiting)
 
     def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle, handoff: _Handoff) -> None:
         prefill.num_in_flight -= 1

@@ -42,7 +42,8 @@ class ThresholdControl:
         before = (self.controller.state, self.controller.threshold_tokens)
         now_s = self._clock()
         workers = self._prfaas_workers()
-        sample = self._signals.sample(now_s, [(h.name, h.healthy, h.stats) for h in workers])
+        sample = self._signals.sample(now_s, [(h.name, h.healthy, h.stats) for h in workers],
+                                      {h.name: h.num_handoffs_waiting for h in workers})
         self.controller.observe(sample)
         if self.reoptimizer is not None:
             self.reoptimizer.on_poll(now_s, workers)

@@ -49,6 +49,9 @@ class WorkerHandle:
     # Hand-offs this worker prefills at once, until their decode worker's first token (None: no limit);
     # see RouterConfig.max_handoffs_per_prefill_worker.
     handoffs: asyncio.Semaphore | None = None
+    # Requests waiting here for one of those slots: the PrfaaS queue the worker's stats cannot show
+    # (the threshold controller adds them to its queue; exported as prfaas_router_handoffs_waiting).
+    num_handoffs_waiting: int = 0
 
     @property
     def name(self) -> str:

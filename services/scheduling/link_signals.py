@@ -6,7 +6,7 @@ telemetry, read through the :class:`WorkerTelemetry` protocol (the router's ``Wo
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,7 +79,11 @@ class LinkSignals:
         self._readings: dict[str, _Reading] = {}
         self._min_rtt_ms: dict[tuple[str, str], float] = {}
 
-    def sample(self, now_s: float, workers: Sequence[tuple[str, bool, WorkerTelemetry]]) -> LinkSample:
+    def sample(self, now_s: float, workers: Sequence[tuple[str, bool, WorkerTelemetry]],
+               waiting_elsewhere: Mapping[str, int] | None = None) -> LinkSample:
+        """``waiting_elsewhere``: per worker, its requests queued before they reach it (the router's
+        hand-off waits); they count in the PrfaaS queue with the worker's own waiting requests."""
+        waiting_elsewhere = waiting_elsewhere or {}
         num_bytes = num_retransmits = num_queued = num_usable = 0
         egress_bps = rtt_increase = 0.0
         for name, healthy, stats in workers:
@@ -93,7 +97,7 @@ class LinkSignals:
                 egress_bps += reading.num_bytes * 8 / reading.elapsed_s
                 rtt_increase = max(rtt_increase, reading.rtt_increase_ms)
             if healthy:
-                num_queued += stats.num_waiting_requests
+                num_queued += stats.num_waiting_requests + waiting_elsewhere.get(name, 0)
                 num_usable += totals.transfers_failed <= previous.transfers_failed
         return LinkSample(
             now_s=now_s,

@@ -131,7 +131,8 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
     config = parse_config({"workers": [{"name": "p0", "service": "prefill_worker", "cluster": "prfaas", "port": 1},
                                        {"name": "d0", "port": 2, "kv_port": 3}],
                            "scheduler": {"adaptive_threshold": True, "threshold_hold_s": 0}})
-    prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=config.workers[0], stats=stats())
+    prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=config.workers[0], stats=stats(),
+                              num_handoffs_waiting=0)
     pool = SimpleNamespace(handles=(prefill,))
     clock = iter(range(100))
     metrics = RouterMetrics()
@@ -161,3 +162,31 @@ def test_link_signals_rate_over_distinct_snapshots_and_forget_stale_ones():
     assert all(r.rtt_increase_ms == pytest.approx(30.0) for r in readings[1:])
     idle = signals.sample(10.0, [("p0", True, stats(bytes_sent=375_000_000, rtt_ms=31.0))])
     assert idle.egress_gbps == idle.rtt_increase_ms == 0
+
+
+def test_requests_waiting_at_the_router_for_a_hand_off_count_in_the_prfaas_queue():
+    """The router holds back hand-offs past ``router.max_handoffs_per_prefill_worker``, so the worker's
+    own queue stays short while the link is squeezed; the controller must still see the backlog (a
+    10x bandwidth cut kept every long prompt on the PrfaaS path for the whole cut in the chaos soak)."""
+    from types import SimpleNamespace
+
+    from services.config import parse_config
+    from services.router.metrics import RouterMetrics
+    from services.router.threshold_control import ThresholdControl
+
+    config = parse_config({"workers": [{"name": "p0", "service": "prefill_worker", "cluster": "prfaas", "port": 1},
+                                       {"name": "d0", "port": 2, "kv_port": 3}],
+                           "scheduler": {"adaptive_threshold": True, "threshold_hold_s": 0}})
+    prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=config.workers[0],
+                              stats=stats(waiting=2), num_handoffs_waiting=0)
+    clock = iter(range(100))
+    control = ThresholdControl(config, SimpleNamespace(handles=(prefill,)), RouterMetrics(), clock=lambda: next(clock))
+    control.on_poll()
+    control.on_poll()
+    assert control.controller.threshold_tokens == 1024 and not control.controller.congested
+    prefill.num_handoffs_waiting = 12
+    control.on_poll()
+    assert control.controller.congested and control.controller.threshold_tokens > 1024
+
+    signals = LinkSignals()
+    assert signals.sample(0.0, [("p0", True, stats(waiting=2))], {"p0": 12, "p1": 5}).num_queued == 14

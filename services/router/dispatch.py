@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.CANCELLED}
+# A hand-off not yet answered is prefilled locally once its prefill worker leaves this many polls in a
+# row unanswered: one missed poll can be a busy moment, two (at least one stats interval plus the
+# poll's timeout apart) are a hang or a dead link.
+UNANSWERED_POLLS = 2
 
 
 class WorkerFailed(Exception):
@@ -256,7 +260,8 @@ class Dispatcher:
         try:
             async with asyncio.timeout(self._config.first_token_timeout_s):
                 if prefill_task is not None:
-                    await _wait_prefill_or_first(read, prefill_task, prefill, request_id)
+                    await _wait_prefill_or_first(read, prefill_task, prefill, request_id,
+                                                 self._config.stats_interval_s)
                 message = await read
             if message is grpc.aio.EOF:
                 raise ApiError(500, f"worker {handle.name} ended the request without output", type="server_error")
@@ -280,12 +285,21 @@ class Dispatcher:
 
 
 async def _wait_prefill_or_first(read: asyncio.Future, prefill_task: asyncio.Future, prefill: WorkerHandle,
-                                 request_id: str) -> None:
-    """Return once the first token is there or the prefill succeeded; raise _PrefillFailed otherwise."""
-    await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-    if read.done() or prefill_task.cancelled() or prefill_task.exception() is None:
-        return
-    logger.warning("request %s: prefill on %s failed; prefilling locally instead", request_id, prefill.name)
+                                 request_id: str, poll_interval_s: float) -> None:
+    """Return once the first token is there or the prefill succeeded; raise _PrefillFailed when the
+    prefill failed, or when its worker stopped answering the router's polls (``UNANSWERED_POLLS`` in a
+    row: a hung process or a dead link, whose call would only end at its timeout) before either."""
+    while True:
+        await asyncio.wait({read, prefill_task}, timeout=poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        if read.done() or (prefill_task.done() and (prefill_task.cancelled() or prefill_task.exception() is None)):
+            return
+        if prefill_task.done():
+            logger.warning("request %s: prefill on %s failed; prefilling locally instead", request_id, prefill.name)
+            break
+        if prefill.num_unanswered_polls >= UNANSWERED_POLLS:
+            logger.warning("request %s: prefill worker %s stopped answering before the request's KV came; "
+                           "prefilling locally instead", request_id, prefill.name)
+            break
     read.cancel()
     raise _PrefillFailed()
 

@@ -52,6 +52,9 @@ class WorkerHandle:
     # Requests waiting here for one of those slots: the PrfaaS queue the worker's stats cannot show
     # (the threshold controller adds them to its queue; exported as prfaas_router_handoffs_waiting).
     num_handoffs_waiting: int = 0
+    # Polls in a row that the worker did not answer (health check or stats call failed or timed out):
+    # a hung process or a dead link, not a worker that answers NOT_SERVING while it drains.
+    num_unanswered_polls: int = 0
 
     @property
     def name(self) -> str:
@@ -193,8 +196,10 @@ class WorkerPool:
             handle.stats = convert.stats_from_proto(await handle.stats_stub.GetStats(convert.stats_request(),
                                                                                      timeout=timeout))
             healthy = health.status == health_pb2.HealthCheckResponse.SERVING
+            handle.num_unanswered_polls = 0
         except grpc.aio.AioRpcError:
             healthy = False
+            handle.num_unanswered_polls += 1
         if healthy != handle.healthy:
             logger.info("worker %s is %s", handle.name, "healthy" if healthy else "not serving")
         handle.healthy = healthy

@@ -46,7 +46,7 @@ class Rig:
         self.metrics = RouterMetrics()
         self.queues = PrefillQueues({}, self.metrics, clock=self.clock)
         self.prefill = SimpleNamespace(name="p0", healthy=True, prefill=object(), config=self.config.workers[0],
-                                       stats=prfaas_stats(0))
+                                       stats=prfaas_stats(0), num_handoffs_waiting=0)
         pool = SimpleNamespace(handles=(self.prefill,))
         self.control = ThresholdControl(self.config, pool, self.metrics, clock=self.clock, queues=self.queues)
         self.dispatcher = Dispatcher(pool, self.config.router, self.metrics, self.control.controller)

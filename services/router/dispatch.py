@@ -223,9 +223,9 @@ class Dispatcher:
         Raises _PrefillFailed when the worker stops being usable (failed health checks) while this waits."""
         if prefill.handoffs is None:
             return _Handoff(None)
-        waiting = self._metrics.handoffs_waiting.labels(prefill.name)
+        gauge = self._metrics.handoffs_waiting.labels(prefill.name)
         prefill.num_handoffs_waiting += 1
-        waiting.set(prefill.num_handoffs_waiting)
+        gauge.set(prefill.num_handoffs_waiting)
         try:
             while True:
                 try:
@@ -239,7 +239,7 @@ class Dispatcher:
                         raise _PrefillFailed() from None
         finally:
             prefill.num_handoffs_waiting -= 1
-            waiting.set(prefill.num_handoffs_waiting)
+            gauge.set(prefill.num_handoffs_waiting)
 
     def _prefill_done(self, task: asyncio.Future, request_id: str, prefill: WorkerHandle, handoff: _Handoff) -> None:
         prefill.num_in_flight -= 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def load_measured_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]
         workload = load_workload(args.workload)
         inputs = workload.apply(inputs)
         measured["measured_workload"] = workload.as_dict()
+    if measured:  # the published results are for the typed inputs, not for measured ones
+        inputs = dataclasses.replace(inputs, paper_results=None)
     longest = max((entry["prefill"]["lengths"][-1] for entry in measured.get("measured_profiles", ())), default=None)
     if longest is not None and inputs.workload.input_length.max_tokens > longest:
         measured["extrapolation"] = (f"prompts reach {inputs.workload.input_length.max_tokens:,.0f} tokens; the "

@@ -193,6 +193,9 @@ def test_profile_yaml_round_trips_into_plan_and_simulate(tmp_path):
     assert kv["length_tokens"] == 128
     assert kv["latency_s"] == pytest.approx(document["profiles"]["prefill"]["latency_s"][0])
     assert plan["prfaas_pd"]["theta_pd_d"] == pytest.approx(plan["prfaas_pd"]["n_d"] * 16 / (0.042 * 1024))
+    assert "paper_comparison" not in plan  # the paper's Table 6 is for its own inputs, not measured ones
+    assert "Table 6" not in run_cli("plan", "--profile", str(path)).stdout
+    assert "Table 6" in run_cli("plan").stdout
     sim = json.loads(run_cli("simulate", "--profile", str(path), "--requests", "200", "--policy", "static",
                              "--json").stdout)
     assert sim["runtime"]["chunk_tokens"] == 2048  # the engine's max_num_batched_tokens

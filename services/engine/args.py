@@ -23,11 +23,12 @@ def resolve_model_path(model: ModelConfig) -> Path:
     return registry.prepare(name)
 
 
-def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
+def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig, stats_dir: Path | None = None):
     """Every worker loads the PrfaaS connector: it can produce KV (prefill roles) and, with a
     ``kv_port``, receive it. A failed receive makes vLLM recompute the prompt locally. With a cache
     pool for the worker's cluster, the connector also loads cached prefixes from it and stores
-    what the engine prefills."""
+    what the engine prefills. ``stats_dir``: where its ranks write their telemetry (the worker's
+    private directory)."""
     from vllm.config import KVTransferConfig
 
     from services.kv_connector.settings import ConnectorSettings
@@ -36,6 +37,7 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig):
                                  transport=config.transport, security=_plain(config.security),
                                  logging={"service": worker.name, "level": config.logging.level,
                                           "json_lines": config.logging.json},
+                                 stats_dir=str(stats_dir) if stats_dir is not None else None,
                                  **cache_pool_settings(config, worker))
     return KVTransferConfig(
         kv_connector="PrfaasConnector",

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
 from services.kv_connector.params import KvTransfer
+from services.kv_connector.stats_file import read_stats
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +16,11 @@ logger = logging.getLogger(__name__)
 class Engine:
     """One vLLM engine. ``start`` blocks until the engine is ready (~30 s for a tiny model on CPU)."""
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, engine_args: Any, stats_dir: Path | None = None) -> None:
+        """``stats_dir``: where the engine's connector writes its telemetry (the ``stats_dir`` of its
+        ``kv_transfer_config``); None: it comes with vLLM's stats, on engine steps only."""
         self._engine_args = engine_args
+        self._stats_dir = stats_dir
         self._llm = None
         self._stats = EngineStats()
         self._active: set[str] = set()
@@ -57,6 +62,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         self._stats.num_active_requests = len(self._active)
+        if self._stats_dir is not None and (connector := read_stats(self._stats_dir)) is not None:
+            self._stats.kv_connector = connector
         return self._stats
 
     async def check_health(self) -> None:

@@ -6,7 +6,8 @@ project, a clean stop of the embedded default's two workers left 14 socket files
 5,800 had piled up after days of tests and chaos runs. So a worker gives its engine a directory of
 its own (``prfaas-ipc-<pid>``, mode 0700), removes it when it stops, and at start removes the
 directories of workers that are gone (killed before they could). A ``VLLM_RPC_BASE_PATH`` set by
-the operator is left alone.
+the operator is left alone. The directory also holds the connector's telemetry files, one per TP
+rank (``services.kv_connector.stats_file``).
 """
 from __future__ import annotations
 
@@ -24,16 +25,16 @@ ENV = "VLLM_RPC_BASE_PATH"
 PREFIX = "prfaas-ipc-"
 
 
-def prepare(base: Path | None = None) -> Path | None:
-    """Give this process's engine its own socket directory (and sweep those of dead workers); None
-    when the operator chose ``VLLM_RPC_BASE_PATH``."""
-    if os.environ.get(ENV):
-        return None
+def prepare(base: Path | None = None) -> Path:
+    """Give this process's engine a directory of its own (and sweep those of dead workers): for its
+    IPC sockets unless the operator chose ``VLLM_RPC_BASE_PATH``, and for the connector's telemetry
+    files (``services.kv_connector.stats_file``)."""
     base = base or Path(tempfile.gettempdir())
     sweep(base)
     path = base / f"{PREFIX}{os.getpid()}"
     path.mkdir(mode=0o700, exist_ok=True)
-    os.environ[ENV] = str(path)
+    if not os.environ.get(ENV):
+        os.environ[ENV] = str(path)
     return path
 
 

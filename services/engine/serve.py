@@ -65,7 +65,8 @@ async def serve_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     ipc = ipc_dir.prepare()
     engine = Engine(engine_args(config.model_for(worker), config.engine_for(worker),
-                                kv_transfer_config=kv_transfer_config(config, worker)))
+                                kv_transfer_config=kv_transfer_config(config, worker, stats_dir=ipc)),
+                    stats_dir=ipc)
     service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
     address = f"{worker.host}:{worker.port}"
     if security.add_port(server, address) == 0:

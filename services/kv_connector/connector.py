@@ -25,9 +25,11 @@ from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats
+from services.kv_connector.stats_file import StatsPublisher, rank_path
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
 from services.kv_connector.layout_spec import LayoutSpec
 from services.kv_connector.layout_vllm import spec_from_vllm, with_cache_layout
+from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import setup_package_logging
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                                                 self.settings.max_early_bytes, self.settings.layerwise,
                                                 transport.recv_first_frame_timeout_s)
             self.pool_worker = PoolWorker(*pool) if pool else None
+            self._tp_rank = tp_rank
+        self.publisher: StatsPublisher | None = None
         self._exported_pool_counters = PoolCounters()
 
     # Scheduler side (engine-core process) ------------------------------------------------------
@@ -88,6 +92,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
         if self.pool_worker is not None:
             self.pool_worker.layout = layout
+        if self.settings.stats_dir is not None:
+            self.publisher = StatsPublisher(rank_path(self.settings.stats_dir, self._tp_rank), self._snapshot)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -125,8 +131,9 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         return None, results.finished_recving or None
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
-        """Transport telemetry once per interval; at once when the pool counters changed."""
-        if self.worker is None:
+        """Transport telemetry once per interval; at once when the pool counters changed. None when
+        the publisher writes it (the front end reads its files instead)."""
+        if self.worker is None or self.publisher is not None:
             return None
         counters = self.pool_worker.counters() if self.pool_worker is not None else PoolCounters()
         transport = self.worker.transport_snapshot(force=counters != self._exported_pool_counters)
@@ -139,7 +146,14 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
         return ConnectorStats(data=dict(data or {}))
 
+    def _snapshot(self) -> ConnectorSnapshot:
+        streams = self.worker.streams
+        return ConnectorSnapshot(streams.snapshot() if streams is not None else TransportSnapshot(),
+                                 self.pool_worker.counters() if self.pool_worker is not None else PoolCounters())
+
     def shutdown(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         if self.worker is not None:
             self.worker.shutdown()
         if self.pool_io is not None:

@@ -23,6 +23,9 @@ class ConnectorSettings:
     cache_pool_lookup_timeout_s: float = 0.5  # a slow lookup delays only its own request
     # The worker's `logging` section and name: the connector's log lines in the engine's processes.
     logging: dict = field(default_factory=dict)
+    # The worker's private directory, where each rank writes its telemetry between engine steps
+    # (stats_file.py); None: the telemetry rides on vLLM's connector stats, which need engine steps.
+    stats_dir: str | None = None
 
     @classmethod
     def of(cls, extra: dict) -> "ConnectorSettings":

@@ -7,7 +7,7 @@ one place that dict is written and read.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,3 +35,10 @@ class ConnectorSnapshot:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConnectorSnapshot:
         return cls(TransportSnapshot.from_dict(data.get("transport", {})), PoolCounters(**data.get("pool", {})))
+
+    @classmethod
+    def summed(cls, snapshots: Sequence[ConnectorSnapshot]) -> ConnectorSnapshot:
+        """An engine's TP ranks as one: each rank sends and receives its own share of the KV."""
+        pools = [asdict(s.pool) for s in snapshots]
+        return cls(TransportSnapshot.summed([s.transport for s in snapshots]),
+                   PoolCounters(**{name: sum(p[name] for p in pools) for name in PoolCounters.__dataclass_fields__}))

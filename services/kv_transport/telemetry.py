@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,6 +81,21 @@ class TransportSnapshot:
         return cls(peers=tuple(PeerSnapshot(**peer) for peer in data.get("peers", ())),
                    bytes_received=data.get("bytes_received", 0), frames_rejected=data.get("frames_rejected", 0),
                    connections_refused=data.get("connections_refused", 0))
+
+    @classmethod
+    def summed(cls, snapshots: Sequence[TransportSnapshot]) -> TransportSnapshot:
+        """Several transports (an engine's TP ranks) as one: counters and rates add up per peer, the
+        RTT is the largest."""
+        peers: dict[str, PeerSnapshot] = {}
+        for peer in (p for s in snapshots for p in s.peers):
+            seen = peers.get(peer.peer)
+            peers[peer.peer] = peer if seen is None else PeerSnapshot(peer.peer, **{
+                name: max(getattr(seen, name), getattr(peer, name)) if name == "rtt_us"
+                else getattr(seen, name) + getattr(peer, name)
+                for name in PeerSnapshot.__dataclass_fields__ if name != "peer"})
+        return cls(peers=tuple(peers.values()), bytes_received=sum(s.bytes_received for s in snapshots),
+                   frames_rejected=sum(s.frames_rejected for s in snapshots),
+                   connections_refused=sum(s.connections_refused for s in snapshots))
 
 
 @dataclass(slots=True)

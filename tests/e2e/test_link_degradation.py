@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -249,6 +250,31 @@ def offloaded_long_fraction(cluster: Deployment, timeline: "Timeline") -> float:
 def assert_none_lost(load: Load, timeline: Timeline) -> None:
     assert not load.lost, f"lost requests: {load.lost}\n{timeline.close()}"
     assert load.outcomes["completed"] > 0
+
+
+def test_link_telemetry_flows_while_the_kv_is_on_the_wire_and_the_prefill_engine_idles(cluster, link):
+    """One long prompt on a squeezed link, nothing else: its prefill takes a fraction of a second,
+    its KV seconds on the wire, during which the prefill engine takes no step. The worker's link
+    figures must move during the transfer (they once rode on engine steps only, so a slow link went
+    unreported until the next prompt)."""
+    assert wait_until(lambda: threshold(cluster) == BASE_THRESHOLD, REACT_S)  # offloading (not stopped at start)
+    link.set_rate(DEGRADED_MBIT, side="ns")
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+    prompt = random.Random(-1).choices(range(1000, 40000), k=LONG)
+    offloaded_before = cluster.routed("prfaas")
+    readings: list[int] = []
+    with ThreadPoolExecutor(1) as executor:
+        reply = executor.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=OUTPUT_TOKENS,
+                                temperature=0, extra_body={"ignore_eos": True})
+        while not reply.done():
+            readings.append(sum(k.bytes_sent for k in cluster.worker_stats("prefill-0").kv_links))
+            time.sleep(0.2)
+        assert reply.result().usage.completion_tokens == OUTPUT_TOKENS
+    assert cluster.routed("prfaas") == offloaded_before + 1
+    rises = sum(later > earlier for earlier, later in zip(readings, readings[1:]))
+    # ~14 MB at 30 Mbit/s: ~4 s on the wire, read every 0.2 s; the connector publishes every 0.25 s
+    assert rises >= 5, f"the sent-bytes figure rose {rises} times in {len(readings)} readings: {readings}"
 
 
 def test_a_squeezed_link_raises_the_threshold_and_a_restored_one_lowers_it(cluster, link):

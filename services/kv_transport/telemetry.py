@@ -3,8 +3,9 @@
 Sending connections sample ``TCP_INFO`` every ``telemetry_interval_s``; ``PeerTelemetry.snapshot``
 sums or averages over a peer's connections into a :class:`PeerSnapshot`; ``KVTransport.snapshot``
 gathers them, with the receiving counters, into a :class:`TransportSnapshot`. Both are frozen
-dataclasses of plain fields; ``TransportSnapshot.as_dict``/``from_dict`` carry one across vLLM's
-connector-stats channel, which only takes plain dicts.
+dataclasses of plain fields; ``TransportSnapshot.as_dict``/``from_dict`` carry one to the worker's
+front end as a plain dict (a JSON file, or vLLM's connector-stats channel); ``summed`` adds up an
+engine's TP ranks.
 
 A connection's smoothed RTT only moves when ACKs arrive, and it is sampled only while it sends: an
 idle connection's last sample keeps the RTT of the link as it was (a full queue on a squeezed link,

@@ -13,8 +13,9 @@ from typing import Protocol
 from services.scheduling.congestion import LinkSample
 
 SEGMENT_BYTES = 1448
-# A prefill worker's link telemetry rides on its engine's forward passes (a snapshot at most once a
-# second, none while the engine idles): figures older than this describe no current traffic.
+# A prefill worker's connector publishes its link telemetry every 0.25 s while it changes
+# (services/kv_connector/stats_file.py), so nothing new while its links idle: figures older than
+# this describe no current traffic.
 STALE_S = 3.0
 
 

@@ -6,11 +6,11 @@ namespace made here behind a link capped at 1 Gbit/s both ways (``tbf`` on a vet
 ``--rtt-ms`` a userspace delay line adds a round trip, tests/support/wan.py, and takes CPU the engines
 need on a small machine). Steps:
 
-1. ``prfaas profile`` measures the engine as ``decode-0`` runs it (cached per point, so a second run
-   reuses it) and the planner's inputs are built from that profile: one PrfaaS prefill instance and
-   one colocated worker, the link's capacity and round trip, the engine's token budget, the KV sent
-   after the prefill (what this CPU deployment does, measured: see ``runtime_model``), the
-   deployment's threshold.
+1. ``prfaas profile`` measures the engine as ``decode-0`` runs it, in this run (the machine's speed
+   drifts; a rerun into the same ``--out`` resumes its points), and the planner's inputs are built
+   from that profile: one PrfaaS prefill instance and one colocated worker, the link's capacity and
+   round trip, the engine's token budget, the KV sent after the prefill (what this CPU deployment
+   does, measured: see ``runtime_model``), the deployment's threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
    Then, from two light loads of ``--calibration-seconds`` each, the CPU per request that the
    engines' cores spend outside the engines (the router, the load generator, the workers' front ends,
@@ -90,12 +90,16 @@ def place_prefill(config: dict, link) -> None:
 
 # --- the prediction -----------------------------------------------------------------------------------
 
-def profile(config_path: Path, out: Path, quick: bool = False) -> Path:
-    """``prfaas profile`` of the colocated worker's engine (the point cache makes a rerun quick)."""
+def profile(config_path: Path, out: Path, quick: bool = False, shared_cache: bool = False) -> Path:
+    """``prfaas profile`` of the colocated worker's engine, measured in this run: its points are cached
+    in ``out`` (a rerun into the same directory resumes), not in the shared point cache, unless
+    ``shared_cache``. This machine's speed drifts: a profile cached hours before measured prefills
+    6-8% faster than the engine ran, and near the knee that put the predicted TTFT ~28% low."""
     path = out / "profile.yaml"
-    print("sim_vs_real: profiling the engine (prfaas profile; cached per point) ...", flush=True)
+    cache = [] if shared_cache else ["--cache-dir", str(out / "profile-points")]
+    print("sim_vs_real: profiling the engine (prfaas profile) ...", flush=True)
     subprocess.run([sys.executable, "-m", "services.cli", "profile", "--config", str(config_path), "--worker",
-                    "decode-0", "--output", str(path), *(["--quick"] if quick else [])], check=True)
+                    "decode-0", "--output", str(path), *cache, *(["--quick"] if quick else [])], check=True)
     return path
 
 
@@ -321,6 +325,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("sim_vs_real"), help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help="profile with `prfaas profile --quick` (prompts up to 1,024 tokens, extrapolated)")
+    parser.add_argument("--shared-profile-cache", action="store_true",
+                        help="reuse profile points from `prfaas profile`'s shared cache (~/.cache/prfaas/profiles), "
+                        "however old, instead of measuring the engine in this run (default: measure, a few minutes)")
     args = parser.parse_args(argv)
     args.shares = [float(x) for x in args.loads.split(",")]
     if len(args.shares) < 2 or args.seconds < 20:
@@ -341,7 +348,7 @@ def main(argv=None) -> int:
         place_prefill(config, link)
         deployment = Deployment(config, args.out, prefixes={"prefill-0": link.exec_argv([])})
         deployment.config_path.write_text(yaml.safe_dump(config))
-        inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick))
+        inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick, args.shared_profile_cache))
         knee = predicted_knee(inputs, args.rtt_ms, args.seed)
         print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
               f"{args.seconds:g} s each", flush=True)

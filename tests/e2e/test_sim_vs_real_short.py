@@ -1,5 +1,5 @@
 """bench/sim_vs_real.py in short (two loads of 20 s after two calibration loads of 10 s, the quick
-profile), so the benchmark cannot rot.
+profile from the shared point cache), so the benchmark cannot rot.
 
 Not its targets (20 s of load is too little for them), but what must hold at any length: the router
 and the simulator route the very same requests, so their offloaded fractions are equal; below the
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20", "--loads",
-                          "0.3,2.0", "--calibration-seconds", "10", "--quick", "--out", str(tmp_path)],
+                          "0.3,2.0", "--calibration-seconds", "10", "--quick", "--shared-profile-cache",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].startswith("sim_vs_real: worst error")

@@ -93,8 +93,8 @@ def place_prefill(config: dict, link) -> None:
 def profile(config_path: Path, out: Path, quick: bool = False, shared_cache: bool = False) -> Path:
     """``prfaas profile`` of the colocated worker's engine, measured in this run: its points are cached
     in ``out`` (a rerun into the same directory resumes), not in the shared point cache, unless
-    ``shared_cache``. This machine's speed drifts: a profile cached hours before measured prefills
-    6-8% faster than the engine ran, and near the knee that put the predicted TTFT ~28% low."""
+    ``shared_cache``. The baseline belongs to the run it predicts: this machine's speed drifts, and a
+    profile cached hours before measured prefills 3-8% faster than the engine then ran."""
     path = out / "profile.yaml"
     cache = [] if shared_cache else ["--cache-dir", str(out / "profile-points")]
     print("sim_vs_real: profiling the engine (prfaas profile) ...", flush=True)

@@ -7,12 +7,14 @@ namespace made here behind a link capped at 1 Gbit/s both ways (``tbf`` on a vet
 need on a small machine). Steps:
 
 1. ``prfaas profile`` measures the engine as ``decode-0`` runs it, in this run (the machine's speed
-   drifts; a rerun into the same ``--out`` resumes its points), and the planner's inputs are built
+   drifts; a rerun into the same ``--out`` resumes its points; prompts without prefix hits, as the
+   load generator sends), and the planner's inputs are built
    from that profile: one PrfaaS prefill instance and one colocated worker, the link's capacity and
    round trip, the engine's token budget, the KV sent after the prefill (what this CPU deployment
    does, measured: see ``runtime_model``), the deployment's threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
-   Then, from two light loads of ``--calibration-seconds`` each, the CPU per request that the
+   Then, from two light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one
+   to send 45 requests; ``--calibration-seconds`` sets it), the CPU per request that the
    engines' cores spend outside the engines (the router, the load generator, the workers' front ends,
    the kernel's network work for them): on this machine they share the engines' cores, and the
    simulator slows the engines by the share they take at each load
@@ -42,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -63,7 +66,10 @@ LENGTH_SCALE = 0.015            # the paper's log-normal x 0.015: median ~300 to
 # much), more than the 25% the prediction is held to.
 LOADS = (0.35, 0.7, 1.5)
 WARMUP_REQUESTS = 4
-CALIBRATION_RATES = (0.5, 1.5)  # req/s while the CPU taken from the engines' cores per request is measured
+# Shares of the predicted knee while the CPU taken from the engines' cores per request is measured: light
+# enough that no queue builds (the machine's speed sets the knee: 3.8 req/s on an AVX-512 host, ~0.6 on AVX2).
+CALIBRATION_SHARES = (0.13, 0.4)
+CALIBRATION_REQUESTS = 45       # at the higher calibration load, at least: its length follows from the knee
 KNEE_REQUESTS = 20_000
 TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
 GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
@@ -98,8 +104,10 @@ def profile(config_path: Path, out: Path, quick: bool = False, shared_cache: boo
     path = out / "profile.yaml"
     cache = [] if shared_cache else ["--cache-dir", str(out / "profile-points")]
     print("sim_vs_real: profiling the engine (prfaas profile) ...", flush=True)
+    # No prefix hits: the load generator's prompts share none (a quarter of the full grid's prefills).
     subprocess.run([sys.executable, "-m", "services.cli", "profile", "--config", str(config_path), "--worker",
-                    "decode-0", "--output", str(path), *cache, *(["--quick"] if quick else [])], check=True)
+                    "decode-0", "--output", str(path), "--hit-ratios", "0", *cache, *(["--quick"] if quick else [])],
+                   check=True)
     return path
 
 
@@ -119,8 +127,26 @@ def planner_inputs(profile_path: Path):
                                          "local_pd_instances": {"prefill_profile": "prefill",
                                                                 "decode_profile": "decode", "count": 2},
                                          "cross_cluster_gbps": LINK_MBIT / 1000}}}
-    inputs, _ = apply_profiles(parse_plan_inputs(raw), [(None, load_profile(profile_path))])
-    return inputs
+    measured = load_profile(profile_path)
+    inputs, _ = apply_profiles(parse_plan_inputs(raw), [(None, measured)])
+    # The colocated worker decodes as many requests as vLLM schedules (max_num_seqs), each step priced by
+    # the batch it runs, not at most the batch that meets the profile's TPOT target.
+    decode = {name: replace(profile, max_batch_size=measured.engine.get("max_num_seqs", profile.max_batch_size))
+              for name, profile in inputs.decode_profiles.items()}
+    return replace(inputs, decode_profiles=decode, simulation={
+        **(inputs.simulation or {}), "decode_step_s_by_batch": decode_steps(profile_path, inputs)})
+
+
+def decode_steps(profile_path: Path, inputs) -> list[list[float]]:
+    """The colocated worker's decode step time by batch size at the workload's mean context (its mean
+    prompt and half its output), from the profile's decode points."""
+    from services.planner.distribution import TruncatedLogNormal
+    from services.planner.measured_profile import decode_step_curve
+
+    lengths = TruncatedLogNormal.from_spec(inputs.workload.input_length)
+    context = lengths.partial_mean(lengths.lo, lengths.hi) + OUTPUT_TOKENS / 2
+    points = yaml.safe_load(profile_path.read_text())["decode"]["points"]
+    return [list(point) for point in decode_step_curve(points, context)]
 
 
 def lognormal_spec() -> dict:
@@ -205,7 +231,8 @@ def measure(deployment: Deployment, rate: float, seconds: float, seed: int, out:
     return measured, [(arrivals[i], float(lengths[i])) for i in order]
 
 
-def serving_cpu_per_request(deployment: Deployment, seconds: float, seed: int, out: Path) -> float:
+def serving_cpu_per_request(deployment: Deployment, rates: tuple[float, float], seconds: float, seed: int,
+                            out: Path) -> float:
     """CPU seconds per request that the engines' cores spend on anything but the engines: the busy time
     of this process's cores (``/proc/stat``: user, system, interrupts and soft interrupts, such as the
     network stack carrying the KV over the namespace's link) less the CPU of vLLM's engine processes.
@@ -235,7 +262,7 @@ def serving_cpu_per_request(deployment: Deployment, seconds: float, seed: int, o
         return (busy - engines) / tick
 
     used, sent = [], []
-    for rate in CALIBRATION_RATES:
+    for rate in rates:
         before = others()
         _, replay = measure(deployment, rate, seconds, seed + 1, out)
         used.append(others() - before)
@@ -316,9 +343,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loads", default=",".join(map(str, LOADS)),
                         help="shares of the predicted knee, light to overload (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default: 0)")
-    parser.add_argument("--calibration-seconds", type=float, default=30.0,
-                        help="each of two light loads (0.5 and 1.5 req/s) that measure the CPU per request the "
-                        "engines' cores spend outside the engines (default: 30)")
+    parser.add_argument("--calibration-seconds", type=float, default=0.0,
+                        help="each of two light loads (0.13x and 0.4x the knee) that measure the CPU per request the "
+                        "engines' cores spend outside the engines (default: 30, or long enough for the higher one "
+                        f"to send {CALIBRATION_REQUESTS} requests on a machine where the knee is low)")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
@@ -356,7 +384,11 @@ def main(argv=None) -> int:
         deployment.start()
         rows = []
         try:
-            host_cpu_s = serving_cpu_per_request(deployment, args.calibration_seconds, args.seed, args.out)
+            rates = tuple(share * knee for share in CALIBRATION_SHARES)
+            seconds = args.calibration_seconds or max(30.0, CALIBRATION_REQUESTS / rates[-1])
+            print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each ...",
+                  flush=True)
+            host_cpu_s = serving_cpu_per_request(deployment, rates, seconds, args.seed, args.out)
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend {host_cpu_s * 1e3:.1f} ms "
                   "of CPU per request", flush=True)

@@ -122,3 +122,27 @@ def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise PlanInputError(f"{key}: expected a mapping, got {type(value).__name__}")
     return value
+
+
+def decode_step_curve(decode_points: Sequence[dict[str, Any]], context_tokens: float
+                      ) -> tuple[tuple[float, float], ...]:
+    """The decode step time by batch size at ``context_tokens`` of context, from a profile's measured
+    decode points (``decode.points``: batch_size, context_tokens, step_time_s): for each batch measured
+    at both, linear in the context between the two measured contexts around it (the nearest one
+    outside them). The simulator's ``decode_step_s_by_batch``; empty if fewer than two batches."""
+    by_context: dict[float, dict[float, float]] = {}
+    for point in decode_points:
+        if "step_time_s" in point:
+            by_context.setdefault(float(point["context_tokens"]), {})[float(point["batch_size"])] = \
+                float(point["step_time_s"])
+    if not by_context:
+        return ()
+    contexts = sorted(by_context)
+    below = [c for c in contexts if c <= context_tokens]
+    above = [c for c in contexts if c >= context_tokens]
+    lo, hi = (below[-1] if below else contexts[0]), (above[0] if above else contexts[-1])
+    batches = sorted(set(by_context[lo]) & set(by_context[hi]))
+    share = 0.0 if hi == lo else (context_tokens - lo) / (hi - lo)
+    curve = tuple((batch, by_context[lo][batch] + share * (by_context[hi][batch] - by_context[lo][batch]))
+                  for batch in batches)
+    return curve if len(curve) >= 2 else ()

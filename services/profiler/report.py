@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from services.planner.measured_profile import FORMAT_VERSION
+from services.planner.measured_profile import FORMAT_VERSION, decode_step_curve
 from services.profiler.kv import MIB, kv_bytes
 from services.profiler.measure import ProfileResults
 
@@ -35,7 +35,9 @@ def profile_document(results: ProfileResults, model: str, measured: dict[str, An
         "kv_cache": {"bytes_per_token": sum(g.bytes_per_token for g in full),
                      "state_bytes_per_request": sum(g.state_bytes_per_request for g in info.groups),
                      "groups": [g.as_dict() for g in info.groups]},
-        "simulation": {"chunk_tokens": info.chunk_tokens},
+        "simulation": {"chunk_tokens": info.chunk_tokens,
+                       "decode_step_s_by_batch": [[b, round(t, 6)] for b, t in decode_step_curve(
+                           results.decode, results.grid.reference_context)]},
         "profiles": {
             "prefill": {"lengths": lengths,
                         "latency_s": _rounded(non_decreasing([r["latency_s"] for r in curve])),

@@ -4,12 +4,16 @@ the PrfaaS cluster), so prefill chunks and decode steps share each engine step.
 
 The step model is additive: a step costs the latency curve's price of its prefill pieces (formed as
 :mod:`services.simulator.prefill` forms chunked steps; with ``chunk_tokens`` 0 one whole request per
-step) plus ``step_s``, the decode step time, when it also advances running decodes. A step with no
-prefill advances only the decodes and costs ``step_s``; such steps run back to back as one event until
-the next decode ends or prefill work arrives (which joins at the next step boundary). Every running
-decode advances one token per step and ends after ``output_tokens`` steps; at most ``max_batch_size``
-decode at once, others wait for a slot in arrival order. A request's TTFT ends when it takes its slot
-(its prefill ended here, or its KV arrived). Pool loads as in :mod:`services.simulator.prefill`.
+step) plus the decode step time when it also advances running decodes: ``step_curve`` at the number
+decoding (the profile's step time by batch size), or ``step_s`` for any batch without one. A step with
+no prefill advances only the decodes; such steps run back to back as one event until the next decode
+ends, prefill work arrives or (with a step curve) the batch grows, each at the next step boundary. Every running
+decode advances one token per step; at most ``max_batch_size`` decode at once, others wait for a slot
+in arrival order. A request's first token comes at the end of the step that makes it, as in vLLM: a
+local prefill's last piece; for KV streamed in, the first step the request runs in once its KV has
+arrived and it holds a slot (the engine computes its last prompt token there), so it waits for the
+step under way, a long prefill chunk maybe, and then for its own. Its TTFT ends there; each output
+token after the first takes one more step. Pool loads as in :mod:`services.simulator.prefill`.
 """
 from __future__ import annotations
 
@@ -31,26 +35,30 @@ BOUNDARY_TOLERANCE = 1e-9        # steps: an arrival this close to a step bounda
 class ColocatedInstances:
     def __init__(self, num_instances: int, latency: PiecewiseLinear | None, chunk_tokens: int, max_batch_size: int,
                  step_s: float, output_tokens: int, kinds: tuple[int, int], heap: list, num_requests: int,
-                 first_token: Event) -> None:
+                 first_token: Event, step_curve: PiecewiseLinear | None = None) -> None:
         """``kinds``: heap event kinds of a finished step (keyed by instance and version) and of a finished
         pool load (keyed by request), routed by the owner to :meth:`on_step` and :meth:`on_loaded`.
         ``latency``: the local prefill curve (None: the deployment routes nothing to the local path)."""
         n = self.num_instances = num_instances
         self.latency, self.chunk_tokens, self.max_batch_size = latency, chunk_tokens, max_batch_size
         self.step_s, self.output_tokens, self.first_token = step_s, output_tokens, first_token
+        self.step_curve = step_curve
         self.kind, self.loaded_kind = kinds
         self.heap = heap
         self.dest = array("i", bytes(4 * num_requests))
         self.work, self.done, self.load = (array("d", bytes(8 * num_requests)) for _ in range(3))
         self.since = array("d", bytes(8 * num_requests))
+        self.streamed = bytearray(num_requests)      # 1: KV streamed in, its first token from a step of its own
         self.queue: list[deque[int]] = [deque() for _ in range(n)]          # prefills not started
         self.prefilling: list[deque[int]] = [deque() for _ in range(n)]     # chunked prefills started
         self.decoding: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]   # (last step, rid)
+        self.first_pending: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (step, rid): KV streamed in
         self.waiting: list[deque[int]] = [deque() for _ in range(n)]        # prefilled, no decode slot yet
         self.pieces: list[tuple[tuple[int, float], ...]] = [()] * n
         self.num_steps = [0] * n
         self.state, self.version = [IDLE] * n, [0] * n
         self.run_start, self.run_from, self.run_steps = [0.0] * n, [0] * n, [0] * n
+        self.run_step_s = [step_s] * n          # the step time of the decode run under way
         self.num_in_flight, self.num_loading = [0] * n, [0] * n
         self.dirty: set[int] = set(range(n))
         self.prefill_wait_s = self.wait_s = 0.0
@@ -93,6 +101,7 @@ class ColocatedInstances:
     def submit(self, now: float, rid: int) -> None:
         """``rid``'s KV is complete on its decode instance (streamed from the PrfaaS cluster)."""
         instance = self.dest[rid]
+        self.streamed[rid] = 1
         self._to_decode(now, instance, rid)
         if self.state[instance] == IDLE:
             self._next_step(now, instance)
@@ -108,16 +117,25 @@ class ColocatedInstances:
         state = self.state[instance]
         if state == IDLE:
             self._next_step(now, instance)
-        elif state == DECODING:                 # the decode run ends at the next step boundary
-            boundary = self._next_boundary(now, instance)
-            if boundary < self.run_steps[instance]:
-                self.run_steps[instance] = boundary
-                self._schedule(self.run_start[instance] + boundary * self.step_s, instance)
+        elif state == DECODING:
+            self._cut_run(now, instance)
+
+    def _cut_run(self, now: float, instance: int) -> int:
+        """End the decode run under way at the next step boundary; the steps done there."""
+        boundary = self._next_boundary(now, instance)
+        if boundary < self.run_steps[instance]:
+            self.run_steps[instance] = boundary
+            self._schedule(self.run_start[instance] + boundary * self.run_step_s[instance], instance)
+        return boundary
 
     def _next_boundary(self, now: float, instance: int) -> int:
         """Steps of the decode run done at the first step boundary at or after ``now``."""
-        steps = math.ceil((now - self.run_start[instance]) / self.step_s - BOUNDARY_TOLERANCE)
+        steps = math.ceil((now - self.run_start[instance]) / self.run_step_s[instance] - BOUNDARY_TOLERANCE)
         return min(steps, self.run_steps[instance])
+
+    def _decode_step_s(self, instance: int) -> float:
+        """One decode step of the batch decoding on ``instance`` now."""
+        return self.step_curve(len(self.decoding[instance])) if self.step_curve is not None else self.step_s
 
     # Decode slots ---------------------------------------------------------------------------------
 
@@ -132,15 +150,27 @@ class ColocatedInstances:
         self.max_queue = max(self.max_queue, len(waiting))
 
     def _join(self, now: float, instance: int, rid: int) -> None:
-        """``rid`` decodes from the next step on: its last token comes ``output_tokens`` steps later."""
+        """``rid`` decodes from the next step on. KV streamed in: that step makes its first token and
+        ``output_tokens - 1`` more follow; a local prefill made its first token (now), ``output_tokens - 1``
+        steps make the rest."""
         first = self.num_steps[instance]
         state = self.state[instance]
         if state == MIXED:
             first += 1
-        elif state == DECODING:
-            first = self.run_from[instance] + self._next_boundary(now, instance)
-        self.decoding[instance].append((first + self.output_tokens, rid))
-        self.first_token(now, rid)
+        elif state == DECODING:             # with a step curve the batch's new size ends the run
+            boundary = self._cut_run(now, instance) if self.step_curve is not None else \
+                self._next_boundary(now, instance)
+            first = self.run_from[instance] + boundary
+        decoding = self.decoding[instance]
+        last = first + self.output_tokens - (0 if self.streamed[rid] else 1)
+        index = len(decoding)
+        while index and decoding[index - 1][0] > last:      # kept in order of last step
+            index -= 1
+        decoding.insert(index, (last, rid))
+        if self.streamed[rid]:
+            self.first_pending[instance].append((first, rid))
+        else:
+            self.first_token(now, rid)
 
     # Steps ----------------------------------------------------------------------------------------
 
@@ -148,13 +178,20 @@ class ColocatedInstances:
         instance = key % self.num_instances
         if key // self.num_instances != self.version[instance]:
             return                               # a decode run cut short by prefill work
-        if self.state[instance] == DECODING:
+        run = self.state[instance] == DECODING
+        if run:
             self.num_steps[instance] = self.run_from[instance] + self.run_steps[instance]
         else:
             self.num_steps[instance] += 1
         self.state[instance] = IDLE
         self.dirty.add(instance)
         decoding, step = self.decoding[instance], self.num_steps[instance]
+        pending = self.first_pending[instance]
+        while pending and pending[0][0] < step:     # streamed-in requests whose first step just ended
+            first, rid = pending.popleft()
+            at = self.run_start[instance] + (first - self.run_from[instance] + 1) * self.run_step_s[instance] \
+                if run else now
+            self.first_token(at, rid)
         while decoding and decoding[0][0] <= step:
             self.num_in_flight[instance] -= 1
             self.finished(now, decoding.popleft()[1])
@@ -177,12 +214,13 @@ class ColocatedInstances:
         if pieces:
             self.pieces[instance] = pieces
             self.state[instance] = MIXED
-            self._schedule(now + cost + (self.step_s if decoding else 0.0), instance)
+            self._schedule(now + cost + (self._decode_step_s(instance) if decoding else 0.0), instance)
         elif decoding:
             self.state[instance] = DECODING
             self.run_start[instance], self.run_from[instance] = now, self.num_steps[instance]
             self.run_steps[instance] = decoding[0][0] - self.num_steps[instance]
-            self._schedule(now + self.run_steps[instance] * self.step_s, instance)
+            self.run_step_s[instance] = self._decode_step_s(instance)
+            self._schedule(now + self.run_steps[instance] * self.run_step_s[instance], instance)
 
     def _prefill_pieces(self, now: float, instance: int) -> tuple[tuple[tuple[int, float], ...], float]:
         """This step's prefill pieces: started prefills first, then queued ones while budget is left."""

@@ -63,8 +63,9 @@ def simulate(spec: RunSpec, controller: CongestionAwareThreshold | None = None) 
 
 class _Simulation:
     def __init__(self, spec: RunSpec, controller: CongestionAwareThreshold | None) -> None:
-        self.topo = topo = contended(colocated(spec.topology, spec.runtime.local_both),
-                                     spec.runtime.contention_factor(spec.rate))
+        self.topo = topo = contended(
+            colocated(spec.topology, spec.runtime.local_both, spec.runtime.decode_step_s_by_batch),
+            spec.runtime.contention_factor(spec.rate))
         if spec.policy != "homogeneous" and not topo.num_prfaas:
             raise ValueError(f"policy {spec.policy!r} needs PrfaaS prefill instances")
         if spec.policy in ("homogeneous", "static", "adaptive") and not topo.num_local_prefill + topo.num_both:

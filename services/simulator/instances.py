@@ -100,7 +100,8 @@ def build_router(spec: RunSpec, topo: Topology, heap: list, arrival_t: array, de
                              arrival_t, n)
     if topo.num_both:
         both = ColocatedInstances(topo.num_both, topo.local_latency, chunk, topo.max_batch_size, topo.decode_step_s,
-                                  spec.workload.output_tokens, both_kinds, heap, n, first_token)
+                                  spec.workload.output_tokens, both_kinds, heap, n, first_token,
+                                  topo.decode_step_curve)
         return InstanceRouter(prfaas, local, both, both)
     decode = DecodeInstances(topo.num_decode, topo.max_batch_size, decode_s, decode_kind, heap,
                              array("i", bytes(4 * n)), n, first_token)

@@ -31,6 +31,10 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   and every engine's prefill and decode steps take ``1 / (1 - that share)`` times what the profile
   measured on a core of its own (:meth:`RuntimeModel.contention_factor`). 0: nothing else runs on the
   engines' cores (GPU engines; a router on a host of its own).
+- ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
+  increasing: a colocated worker's decode step time by the number decoding (the profile's decode
+  points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every
+  step costs the decode profile's ``step_time_s`` (the step at its largest batch), whatever the batch.
 - ``admission``: the router's admission control (``services.scheduling.admission.admit``) judges
   each routed request; rejected requests are counted and enter no queue. ``max_in_flight``: its
   capacity (the router's ``max_in_flight_requests``; 0: ``max_batch_size`` per generating
@@ -67,6 +71,7 @@ class RuntimeModel:
     local_both: int = 0
     host_cpu_s_per_request: float = 0.0
     host_cores: int = 0
+    decode_step_s_by_batch: tuple[tuple[float, float], ...] = ()
     admission: bool = False
     max_in_flight: int = 0
     admission_ttft_slo_s: float = 0.0
@@ -83,6 +88,12 @@ class RuntimeModel:
                   ("host_cores", self.host_cores >= 0, "must be 0 (unknown: no contention) or positive"),
                   ("max_in_flight", self.max_in_flight >= 0, "must be 0 (max_batch_size per instance) or positive"),
                   ("admission_ttft_slo_s", self.admission_ttft_slo_s >= 0, "must be 0 (no SLO) or positive")]
+        curve = self.decode_step_s_by_batch
+        checks.append(("decode_step_s_by_batch",
+                       not curve or (len(curve) >= 2 and all(b > a for (a, _), (b, _) in zip(curve, curve[1:]))
+                                     and all(batch >= 1 and step > 0 for batch, step in curve)),
+                       "needs at least two [batch size, seconds] points, batch sizes increasing from 1 up, "
+                       "seconds positive"))
         for key, ok, message in checks:
             if not ok:
                 raise RuntimeInputError(f"simulation.{key}: {message}, got {getattr(self, key)!r}")
@@ -150,6 +161,10 @@ def parse_runtime(raw: Any, path: str = "simulation") -> RuntimeModel:
 
 
 def _typed(value: Any, kind: type, path: str) -> Any:
+    if kind is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+            raise RuntimeInputError(f"{path}: expected a list of [batch size, seconds] pairs, got {value!r}")
+        return tuple((_typed(b, float, path), _typed(t, float, path)) for b, t in value)
     if kind is bool:
         if not isinstance(value, bool):
             raise RuntimeInputError(f"{path}: expected true or false, got {value!r}")

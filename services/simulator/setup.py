@@ -34,6 +34,7 @@ class Topology:
     link_gbps: float
     kv_bytes: PiecewiseLinear | None = None   # the model's KV bytes by length, for pool loads
     num_both: int = 0                         # colocated workers: prefill (local path) and decode in one engine
+    decode_step_curve: PiecewiseLinear | None = None  # colocated decode step by batch size (None: decode_step_s)
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,15 @@ def deployment_views(topology: Topology) -> tuple[WorkerView, ...]:
     return tuple(views)
 
 
-def colocated(topology: Topology, num_both: int) -> Topology:
+def colocated(topology: Topology, num_both: int, step_by_batch: tuple[tuple[float, float], ...] = ()) -> Topology:
     """``topology`` with its local PD instances (prefill-role and decode-role) replaced by ``num_both``
-    colocated workers, which prefill with the local prefill profile and decode with the decode profile;
-    ``topology`` itself when ``num_both`` is 0."""
+    colocated workers, which prefill with the local prefill profile and decode with the decode profile
+    (each step priced by ``step_by_batch``, (batch size, seconds) points, where given); ``topology``
+    itself when ``num_both`` is 0."""
     if not num_both:
         return topology
-    return replace(topology, num_local_prefill=0, num_decode=0, num_both=num_both)
+    curve = PiecewiseLinear(*zip(*step_by_batch)) if step_by_batch else None
+    return replace(topology, num_local_prefill=0, num_decode=0, num_both=num_both, decode_step_curve=curve)
 
 
 def contended(topology: Topology, factor: float) -> Topology:
@@ -103,6 +106,7 @@ def contended(topology: Topology, factor: float) -> Topology:
         return None if curve is None else PiecewiseLinear(curve.xs, tuple(y * factor for y in curve.ys))
 
     return replace(topology, decode_step_s=topology.decode_step_s * factor,
+                   decode_step_curve=slower(topology.decode_step_curve),
                    prfaas_latency=slower(topology.prfaas_latency), local_latency=slower(topology.local_latency))
 
 

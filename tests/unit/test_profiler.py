@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from services.planner.measured_profile import load_profile
+from services.planner.measured_profile import decode_step_curve, load_profile
 from services.profiler.cache import PointCache
 from services.profiler.engine import EngineInfo
 from services.profiler.grid import Grid, largest_passing, next_search_batch
@@ -199,6 +199,8 @@ def test_profile_yaml_round_trips_into_plan_and_simulate(tmp_path):
     sim = json.loads(run_cli("simulate", "--profile", str(path), "--requests", "200", "--policy", "static",
                              "--json").stdout)
     assert sim["runtime"]["chunk_tokens"] == 2048  # the engine's max_num_batched_tokens
+    # decode steps by batch at the reference context (256): 10 ms + 2 ms per request, the searched batches too
+    assert sim["runtime"]["decode_step_s_by_batch"] == [[1, 0.012], [4, 0.018], [16, 0.042], [24, 0.058], [32, 0.074]]
     assert sim["planner"]["lambda_max"] == pytest.approx(plan["prfaas_pd"]["lambda_max"])
 
 
@@ -294,3 +296,16 @@ def test_confining_a_worker_sets_this_process_affinity_and_its_children_inherit_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == out[1] == f"[{first}]" and out[2] == str(first)  # the grep child runs there too
     assert confine_worker({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) is None and os.sched_getaffinity(0) == allowed
+
+
+def test_decode_step_curve_interpolates_between_measured_contexts():
+    points = [{"batch_size": b, "context_tokens": c, "step_time_s": 0.01 * b + c / 10_000}
+              for c in (256, 1024) for b in (1, 4)] + [{"batch_size": 8, "context_tokens": 1024, "step_time_s": 0.2},
+                                                     {"batch_size": 2, "context_tokens": 256, "skipped": "too big"}]
+    def flat(curve):
+        return [x for point in curve for x in point]
+
+    assert flat(decode_step_curve(points, 640)) == pytest.approx([1, 0.074, 4, 0.104])  # halfway: 0.0256 .. 0.1024
+    assert flat(decode_step_curve(points, 100)) == pytest.approx([1, 0.0356, 4, 0.0656])  # the nearest context
+    assert flat(decode_step_curve(points, 1024)) == pytest.approx([1, 0.1124, 4, 0.1424, 8, 0.2])
+    assert decode_step_curve(points[:1], 256) == ()  # one batch is no curve

@@ -141,6 +141,9 @@ def test_every_arrival_is_routed_by_the_routers_policy(case, monkeypatch):
     ({"layerwise": 1}, "simulation.layerwise: expected true or false"),
     ({"connections": 0}, "simulation.connections: must be at least 1"),
     ({"pool_gbps": 1}, "simulation.pool_gbps: unknown key"),
+    ({"decode_step_s_by_batch": [[1, 0.02]]}, "simulation.decode_step_s_by_batch: needs at least two"),
+    ({"decode_step_s_by_batch": [[4, 0.03], [2, 0.02]]}, "simulation.decode_step_s_by_batch: needs at least two"),
+    ({"decode_step_s_by_batch": [1, 2]}, "simulation.decode_step_s_by_batch: expected a list of"),
     ([1], "simulation: expected a mapping"),
 ])
 def test_bad_simulation_inputs_name_the_key(raw, message):
@@ -163,8 +166,8 @@ def test_simulation_section_and_flags(tmp_path):
     assert json.loads(result.stdout)["runtime"] == {
         "chunk_tokens": 8192, "link_rtt_ms": 5.0, "connections": 8, "connection_window_bytes": 3 * MIB,
         "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4,
-        "host_cpu_s_per_request": 0.0, "host_cores": 0, "admission": True, "max_in_flight": 0,
-        "admission_ttft_slo_s": 0.0}
+        "host_cpu_s_per_request": 0.0, "host_cores": 0, "decode_step_s_by_batch": [], "admission": True,
+        "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")
 

@@ -8,10 +8,12 @@ need on a small machine). Steps:
 
 1. ``prfaas profile`` measures the engine as ``decode-0`` runs it, in this run (the machine's speed
    drifts; a rerun into the same ``--out`` resumes its points; prompts without prefix hits, as the
-   load generator sends), and the planner's inputs are built
-   from that profile: one PrfaaS prefill instance and one colocated worker, the link's capacity and
-   round trip, the engine's token budget, the KV sent after the prefill (what this CPU deployment
-   does, measured: see ``runtime_model``), the deployment's threshold.
+   load generator sends), and the planner's inputs are built from that profile: one PrfaaS prefill
+   instance and one colocated worker that decodes as many requests as vLLM schedules
+   (``max_num_seqs``), each step priced by its batch (the profile's decode points at the workload's
+   mean context), the link's capacity and round trip, the engine's token budget, the KV sent after
+   the prefill (what this CPU deployment does, measured: see ``runtime_model``), the deployment's
+   threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
    Then, from two light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one
    to send 45 requests; ``--calibration-seconds`` sets it), the CPU per request that the
@@ -20,7 +22,8 @@ need on a small machine). Steps:
    simulator slows the engines by the share they take at each load
    (``simulation.host_cpu_s_per_request``; the engines' own processes are what the profile measured).
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
-   (``prfaas bench serve``) runs the real system for ``--seconds`` with Poisson arrivals, and the
+   (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
+   Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
    simulator replays the very requests it sent (``prfaas simulate --replay``: each arrival time and
    prompt length).
 
@@ -72,6 +75,9 @@ CALIBRATION_SHARES = (0.13, 0.4)
 CALIBRATION_REQUESTS = 45       # at the higher calibration load, at least: its length follows from the knee
 KNEE_REQUESTS = 20_000
 TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
+# Every load sends prompts of its own (seed + its index; the calibration's from seed + 100): a prompt sent
+# before would find its KV in the engines' prefix caches, which on a slow machine hold a whole light load.
+CALIBRATION_SEED = 100
 GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
 
 
@@ -262,11 +268,15 @@ def serving_cpu_per_request(deployment: Deployment, rates: tuple[float, float], 
         return (busy - engines) / tick
 
     used, sent = [], []
-    for rate in rates:
+    for index, rate in enumerate(rates):
         before = others()
-        _, replay = measure(deployment, rate, seconds, seed + 1, out)
+        _, replay = measure(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
         used.append(others() - before)
         sent.append(len(replay))
+    if sent[1] <= sent[0]:
+        print(f"sim_vs_real: the calibration loads sent {sent[0]} and {sent[1]} requests: too few to tell the CPU per "
+              "request apart; counting none (a longer --calibration-seconds measures it)", flush=True)
+        return 0.0
     return max(0.0, (used[1] - used[0]) / (sent[1] - sent[0]))
 
 
@@ -340,9 +350,13 @@ def plot(rows: list[dict], path: Path) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=120.0, help="load per point, seconds (default: 120)")
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="run each load longer than --seconds where it would send fewer requests: on a slow "
+                        "machine the knee, and so every load, is low (default: 0, --seconds alone)")
     parser.add_argument("--loads", default=",".join(map(str, LOADS)),
                         help="shares of the predicted knee, light to overload (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="arrivals and prompts of the first load; each later load adds 1 (default: 0)")
     parser.add_argument("--calibration-seconds", type=float, default=0.0,
                         help="each of two light loads (0.13x and 0.4x the knee) that measure the CPU per request the "
                         "engines' cores spend outside the engines (default: 30, or long enough for the higher one "
@@ -392,9 +406,10 @@ def main(argv=None) -> int:
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend {host_cpu_s * 1e3:.1f} ms "
                   "of CPU per request", flush=True)
-            for share in args.shares:
+            for index, share in enumerate(args.shares):
                 started = time.monotonic()
-                measured, replay = measure(deployment, share * knee, args.seconds, args.seed, args.out)
+                seconds = max(args.seconds, args.min_requests / (share * knee))
+                measured, replay = measure(deployment, share * knee, seconds, args.seed + index, args.out)
                 predicted = predict(inputs, args.rtt_ms, replay, host_cpu_s)
                 rows.append({"share": share, "offered_rate": share * knee, "measured": measured,
                              "predicted": predicted})

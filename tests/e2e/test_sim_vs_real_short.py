@@ -1,5 +1,6 @@
-"""bench/sim_vs_real.py in short (two loads of 20 s after two calibration loads of 10 s, the quick
-profile from the shared point cache), so the benchmark cannot rot.
+"""bench/sim_vs_real.py in short (two loads of 20 s, or of 12 requests where the machine's knee is low,
+after two calibration loads of 10 s, the quick profile from the shared point cache), so the benchmark
+cannot rot.
 
 Not its targets (20 s of load is too little for them), but what must hold at any length: the router
 and the simulator route the very same requests, so their offloaded fractions are equal; below the
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20", "--loads",
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
+                          "--min-requests", "12", "--loads",
                           "0.3,2.0", "--calibration-seconds", "10", "--quick", "--shared-profile-cache",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)

@@ -4,7 +4,9 @@ cannot rot.
 
 Not its targets (20 s of load is too little for them), but what must hold at any length: the router
 and the simulator route the very same requests, so their offloaded fractions are equal; below the
-knee both complete requests as fast as they arrive; past it both queues grow.
+knee neither queue grows and both complete requests alike; past it both queues grow. (Whether a few
+requests of a light load complete inside its window is an edge effect: on a slow machine 9 requests
+in a minute completed at 74% of their arrival rate on both sides.)
 """
 import json
 import subprocess
@@ -34,6 +36,7 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
         real, sim = row["measured"], row["predicted"]
         assert sim["offloaded_fraction"] == pytest.approx(real["offloaded_fraction"], abs=1e-9), row
     light, overload = rows
+    assert light["predicted"]["throughput"] == pytest.approx(light["measured"]["throughput"], rel=0.25), light
     for side in ("measured", "predicted"):
-        assert light[side]["throughput"] == pytest.approx(light["measured"]["rate"], rel=0.25), light
+        assert light[side]["queue_growth"] < 1.0, light
         assert overload[side]["queue_growth"] > 0, overload

@@ -1,8 +1,9 @@
 """Engines of different tensor-parallel sizes handing KV to each other, end to end (issue 19).
 
-vLLM's CPU engines at TP 1 and TP 2 (one worker process per rank, one OpenMP thread each), for a dense
-model and the tiny hybrid, whose head counts divide by 2 (SmolLM2's 3 KV heads do not), and a dense
-model with one KV head, which vLLM replicates on both ranks at TP 2. Two PD workers, one of each TP
+vLLM's CPU engines at TP 1 and TP 2 (one worker process per rank, one OpenMP thread each), for the
+tiny hybrid, whose head counts divide by 2 (SmolLM2's 3 KV heads do not; its full-attention layers
+split KV heads as a dense model's do, so ``tiny-qwen3-dense`` adds nothing here but minutes), and a
+dense model with one KV head, which vLLM replicates on both ranks at TP 2. Two PD workers, one of each TP
 size: one prefills a prompt (its KV, ``prompt[:-1]``) and streams it to the other, each producer rank
 sending each consumer rank the KV heads, Gated-DeltaNet heads and conv-component shares it owns, each
 consumer rank receiving on its own port (``kv_port + rank``). A replicated head crosses the link once:
@@ -35,7 +36,11 @@ pytestmark = pytest.mark.e2e
 
 OUTPUT_TOKENS = 8
 BUDGET = 256                  # every engine's chunk budget; prompts of BUDGET + 1 tokens chunk alike
-CANDIDATES_PER_PAIR = 6     # each pair its own prompts: a worker that prefilled a prompt has it cached
+# Each pair its own prompts (a worker that prefilled a prompt has it cached). Few prompts are answered
+# alike and clearly at both TP sizes: 1 in 6 for the hybrid, which runs bfloat16 (its margins come in
+# steps of 1/16 nat), so with 6 candidates a pair found none in a third of the runs.
+CANDIDATES_PER_PAIR = 32
+STREAMED_PER_PAIR = 2       # of those answered clearly, the ones streamed
 MARGIN = 0.1
 CPUS = {1: "1", 2: "0|1"}  # VLLM_CPU_OMP_THREADS_BIND per TP size: one thread per rank
 
@@ -53,7 +58,6 @@ class Model:
 
 
 MODELS = {
-    "dense": Model("tiny-qwen3-dense", (1, 2), ((1, 2), (2, 1))),
     "hybrid": Model("tiny-qwen3-next", (1, 2), ((1, 2), (2, 1))),
     # 1 KV head, on both ranks at TP 2: passed on from the decode rank that receives it to the other
     "mqa": Model("tiny-qwen3-mqa", (1, 2), ((1, 2), (2, 1))),
@@ -100,7 +104,7 @@ def cluster(request, tmp_path_factory):
     for index, (src, dst) in enumerate(model.pairs):
         expected[src, dst] = [(prompt, answers[src][i][0]) for i, prompt in enumerate(prompts)
                               if i % len(model.pairs) == index and answers[src][i][0] == answers[dst][i][0]
-                              and min(answers[src][i][1], answers[dst][i][1]) >= MARGIN]
+                              and min(answers[src][i][1], answers[dst][i][1]) >= MARGIN][:STREAMED_PER_PAIR]
     try:
         assert all(expected.values()), f"a pair has no prompt answered clearly at both its TP sizes: {answers}"
         yield model, deployment, expected

@@ -209,14 +209,18 @@ def long_decisions(cluster: Deployment, text: str | None = None) -> dict[str, fl
 
 
 def offloaded_long_fraction_while_raised(cluster: Deployment, timeline: "Timeline") -> tuple[float, int]:
-    """Share of the long-prompt decisions that went to PrfaaS while the threshold stayed raised, and
-    how many there were, counted until ``LONG_DECISIONS`` of them (or ``PHASE_S``).
+    """Share of the long-prompt decisions that went to PrfaaS while the threshold stayed raised above
+    the long prompts' length, and how many there were, counted until ``LONG_DECISIONS`` of them (or
+    ``PHASE_S``).
 
     On a link that stays squeezed the controller lowers t after its hold time, probes the link with
     the next long prompt and raises t again; how many decisions fall in a fixed window, and on which
     side of a probe, depends on how long the long requests take on this machine. So the decisions are
     read every ``POLL_S`` with the threshold from the same read, and only those made between two reads
-    that both saw the raised threshold are counted."""
+    that both saw t at or above ``LONG`` are counted. Lowering t takes several steps once the link has
+    drained (2048, 1024, 512, then the base): a long prompt routed at t = 512 is the next probe, not
+    a decision of the raised threshold, though 512 is above the base (on a host where a long request
+    took ~8 s, two of the four decisions counted were such probes)."""
     raised: Counter = Counter()
     previous = cluster.metrics_text()
     deadline = time.monotonic() + PHASE_S
@@ -224,7 +228,7 @@ def offloaded_long_fraction_while_raised(cluster: Deployment, timeline: "Timelin
         time.sleep(POLL_S)
         current = cluster.metrics_text()
         thresholds = [sample(t, "prfaas_scheduler_threshold_tokens") for t in (previous, current)]
-        if min(thresholds) > BASE_THRESHOLD:
+        if min(thresholds) >= LONG:  # the router offloads a prompt of more than t uncached tokens
             before, after = long_decisions(cluster, previous), long_decisions(cluster, current)
             raised.update({path: after[path] - before[path] for path in after})
         previous = current

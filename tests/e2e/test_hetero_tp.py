@@ -38,9 +38,10 @@ OUTPUT_TOKENS = 4
 BUDGET = 256                  # every engine's chunk budget; prompts of BUDGET + 1 tokens chunk alike
 # Each pair its own prompts (a worker that prefilled a prompt has it cached), of those that both
 # references answer alike with every token ahead of the runner-up by MARGIN nats. The hybrid runs
-# bfloat16 (on an AVX2 host), whose logits came in steps of 1/16 nat: KV prefilled at one TP size and decoded at
-# the other is a third sum order, and at a margin of 0.1 (two steps) a streamed prompt's 6th token
-# flipped in a full run of the suite. Measured on 128 prompts: with 4 tokens, 45 qualify at 0.25 nats; with 8, 7 do.
+# bfloat16, whose logits came in steps of 1/16 nat on an AVX2 host: KV prefilled at one TP size and
+# decoded at the other is a third sum order, and at a margin of 0.1 (two steps) a streamed prompt's
+# 6th token flipped in a full run of the suite. Measured there on 128 prompts: with 4 tokens, 45
+# qualify at 0.25 nats; with 8, 7 do.
 CANDIDATES_PER_PAIR = 16      # at 45 in 128, a pair finds none in fewer than 1 in 1,000 runs
 MARGIN = 0.25
 STREAMED_PER_PAIR = 2       # of those answered clearly, the ones streamed

@@ -2,7 +2,8 @@
 (``tiny-qwen3-dense``) or 1 (``tiny-qwen3-mqa``).
 
 The 2 KV heads divide by 2, so ``tiny-qwen3-dense`` runs at TP 1 and TP 2 (SmolLM2's 3 KV heads do
-not); the tests of KV head slicing between TP sizes use it. ``tiny-qwen3-mqa``'s one KV head is
+not); the e2e tests of KV head slicing between TP sizes use the tiny hybrid instead, whose attention
+layers split the same way. ``tiny-qwen3-mqa``'s one KV head is
 replicated on every rank at TP 2 (vLLM's rule for more ranks than KV heads): the tests of a head that
 crosses the link once and is passed on between decode ranks use it. Deterministic for a given seed,
 with the tiny hybrid's byte-level tokenizer.

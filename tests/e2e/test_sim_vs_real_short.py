@@ -28,8 +28,10 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
                           "0.3,2.0", "--calibration-seconds", "10", "--quick", "--shared-profile-cache",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
-    assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1].startswith("sim_vs_real: worst error")
+    errors = [line for line in run.stderr.splitlines() if "Error" in line][-5:]  # ahead of the services' logs
+    said = "\n".join([run.stdout[-3000:], *errors, run.stderr[-3000:]])
+    assert run.returncode in (0, 1), said
+    assert run.stdout.strip().splitlines()[-1].startswith("sim_vs_real: worst error"), said
     rows = json.loads((tmp_path / "sim_vs_real.json").read_text())["rows"]
     assert len(rows) == 2 and (tmp_path / "sim_vs_real.png").exists()
     for row in rows:

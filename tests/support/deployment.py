@@ -119,7 +119,9 @@ class Deployment:
                 return
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"deployment not healthy after {START_TIMEOUT_S:.0f} s:\n{self.logs()}")
+        waiting = ", ".join(f"{name} at {host}:{port}" for name, (host, port) in pending.items()) or "the router"
+        raise TimeoutError(f"deployment not healthy after {START_TIMEOUT_S:.0f} s: {waiting} not serving\n"
+                           f"{self.logs()}")
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.25) -> bool:

@@ -4,16 +4,20 @@ Needs root. Used by ``tests/e2e`` and ``bench/``; it imports nothing from the pr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
+from pathlib import Path
 from typing import Literal
 
 Side = Literal["host", "ns"]
 _serial = count()
+# The names this module and support.wan give: "pf" (veth) or "pt" (delay line), the owner's pid, a serial.
+_OWNED = re.compile(r"p[ft](\d+)x\d+(?:ns|a|b)")
 
 
 def available() -> str | None:
@@ -70,8 +74,7 @@ def veth_link(subnet: str = "10.213.77", rate_mbit: float | None = None, side: S
     optionally capped from the start; everything is removed on exit, also after a failure."""
     if (reason := available()) is not None:
         raise PermissionError(reason)
-    tag = f"pf{os.getpid() % 100000}x{next(_serial)}"
-    link = VethLink(f"{tag}ns", f"{tag}a", f"{tag}b", f"{subnet}.1", f"{subnet}.2")
+    link = new_link("pf", subnet)
     run_command("ip", "netns", "add", link.ns)
     try:
         run_command("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
@@ -89,6 +92,37 @@ def veth_link(subnet: str = "10.213.77", rate_mbit: float | None = None, side: S
     finally:
         subprocess.run(["ip", "link", "del", link.host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", link.ns], capture_output=True)
+
+
+def new_link(kind: str, subnet: str) -> VethLink:
+    """The names and addresses of a new link, once the links of dead owners are gone and ``subnet``
+    is free (a RuntimeError naming the interface that holds it, if not)."""
+    remove_stale_links()
+    addresses = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in addresses.splitlines():
+        fields = line.split()
+        if f"{subnet}.1" in (address.split("/")[0] for address in fields[3:]):
+            raise RuntimeError(f"{subnet}.1 is already on interface {fields[1]}: another test or benchmark "
+                               "on this machine is using the subnet")
+    tag = f"{kind}{os.getpid()}x{next(_serial)}"  # at most 15 bytes: "pf", 7 digits of pid_max, "x", "NNa"
+    return VethLink(f"{tag}ns", f"{tag}a", f"{tag}b", f"{subnet}.1", f"{subnet}.2")
+
+
+def remove_stale_links() -> None:
+    """Delete the namespaces and host interfaces this module or ``support.wan`` made for processes
+    that no longer run (killed before their ``finally``): their routes would take their subnets."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in names:
+        if (owner := _OWNED.fullmatch(name)) and not _alive(int(owner[1])):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for line in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if (owner := _OWNED.fullmatch(name)) and not _alive(int(owner[1])):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
 
 
 def _ethtool(link: VethLink, dev: str, *features: str) -> None:

@@ -15,13 +15,11 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import count
 from pathlib import Path
 
-from support.netns import VethLink, available, run_command
+from support.netns import VethLink, available, new_link, run_command
 
 SOURCE = Path(__file__).with_name("delayline.c")
-_serial = count()
 
 
 def delay_line_binary() -> Path:
@@ -46,8 +44,7 @@ def wan_path(rate_mbit: float, rtt_ms: float, loss_percent: float = 0.0, buffer_
     capped at ``rate_mbit`` (a ``tbf`` queue of ``buffer_ms``) and losing ``loss_percent`` of packets."""
     if (reason := available()) is not None:
         raise PermissionError(reason)
-    tag = f"pt{os.getpid() % 100000}x{next(_serial)}"
-    link = VethLink(f"{tag}ns", f"{tag}a", f"{tag}b", f"{subnet}.1", f"{subnet}.2")
+    link = new_link("pt", subnet)
     line = subprocess.Popen([str(delay_line_binary()), link.host_if, link.ns_if, str(int(rtt_ms * 500)),
                              str(loss_percent), str(seed)], stdout=subprocess.PIPE, text=True)
     try:

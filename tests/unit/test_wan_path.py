@@ -29,7 +29,8 @@ def _round_trips_ms(link, count: int = 20) -> list[float]:
                               stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        with socket.create_connection((link.ns_addr, port), timeout=5) as sock:
+        # At 30% loss a SYN or a byte can be lost four times in a row: 15 s of backed-off retransmissions.
+        with socket.create_connection((link.ns_addr, port), timeout=30) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             samples = []
             for _ in range(count):

@@ -9,7 +9,8 @@
  *     delayline TUN_A TUN_B ONE_WAY_DELAY_US LOSS_A_TO_B_PERCENT SEED
  *
  * prints "ready" once both devices exist (the caller then moves them into namespaces and
- * configures them) and runs until killed. Built and run by tests/support/wan.py.
+ * configures them) and runs until killed, or until its parent dies: a test or benchmark killed
+ * before its clean-up must not leave it running. Built and run by tests/support/wan.py.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -17,11 +18,13 @@
 #include <net/if.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -103,6 +106,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s TUN_A TUN_B ONE_WAY_DELAY_US LOSS_A_TO_B_PERCENT SEED\n", argv[0]);
         return 2;
     }
+    pid_t parent = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != parent)
+        return 1; /* the parent is gone already */
     static struct direction ab, ba;
     ab.src = ba.dst = open_tun(argv[1]);
     ab.dst = ba.src = open_tun(argv[2]);

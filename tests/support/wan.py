@@ -41,7 +41,8 @@ def delay_line_binary() -> Path:
 def wan_path(rate_mbit: float, rtt_ms: float, loss_percent: float = 0.0, buffer_ms: int = 20,
              subnet: str = "10.213.78", seed: int = 1) -> Iterator[VethLink]:
     """``subnet``.1 here and ``subnet``.2 in a fresh namespace, ``rtt_ms`` apart, host → namespace
-    capped at ``rate_mbit`` (a ``tbf`` queue of ``buffer_ms``) and losing ``loss_percent`` of packets."""
+    capped at ``rate_mbit`` (a ``tbf`` queue of ``buffer_ms``) and losing ``loss_percent`` of packets.
+    The delay line dies with the thread that entered this (a killed owner leaves none running)."""
     if (reason := available()) is not None:
         raise PermissionError(reason)
     link = new_link("pt", subnet)

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,34 @@ def test_delay_line_drops_packets_at_random():
     with wan_path(100, rtt_ms=2, loss_percent=30, subnet="10.213.80") as link:
         slow = [ms for ms in _round_trips_ms(link, 30) if ms > 150]
     assert slow, "no packet was lost"
+
+
+KILLED_OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from support.wan import wan_path
+with wan_path(100, rtt_ms=2, subnet="10.213.82") as link:
+    print(link.host_if, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_owner_leaves_no_delay_line_and_its_link_is_removed():
+    owner = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(Path(__file__).parents[1])],
+                             stdout=subprocess.PIPE, text=True)
+    host_if = owner.stdout.readline().strip()
+    owner.kill()  # no clean-up runs
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while _delay_lines(host_if) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _delay_lines(host_if), "the delay line outlived the process that started it"
+    with wan_path(100, rtt_ms=2, subnet="10.213.82") as link:
+        assert host_if not in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert f"dev {link.host_if} " in subprocess.run(["ip", "route", "get", link.ns_addr], capture_output=True,
+                                                        text=True).stdout
+
+
+def _delay_lines(host_if: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"delayline-.* {host_if} "], capture_output=True, text=True)
+    return found.stdout.split()

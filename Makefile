@@ -1,6 +1,6 @@
-# `make up` runs the embedded default deployment; `make test` runs the test suite.
+# `make up` runs the embedded default deployment; `make test` runs the test suite (docs/testing.md).
 # Both set up their own environment first (scripts/bootstrap.sh; safe to repeat).
-.PHONY: setup up test lint docs proto image image-cpu image-cuda
+.PHONY: setup up test test-image coverage lint docs proto image image-cpu image-cuda
 
 setup:
 	@scripts/bootstrap.sh
@@ -10,6 +10,18 @@ up: setup
 
 test: setup
 	.venv/bin/python -m pytest -q
+
+# The container image built and run (tests/e2e/test_container_image.py): minutes on a fresh machine.
+test-image: setup
+	.venv/bin/python -m pytest -q -m image tests/e2e/test_container_image.py
+
+# `make test` under coverage.py, the services' own processes included; prints line coverage of
+# services/ (docs/testing.md has the figures). Slower than `make test` by the tracing.
+coverage: setup
+	rm -f .coverage .coverage.*
+	COVERAGE_FILE=$(CURDIR)/.coverage .venv/bin/coverage run -m pytest -q; \
+	  status=$$?; COVERAGE_FILE=$(CURDIR)/.coverage .venv/bin/coverage combine -q; \
+	  COVERAGE_FILE=$(CURDIR)/.coverage .venv/bin/coverage report --sort=cover | tail -40; exit $$status
 
 # The code's shape and rules: import contracts (.importlinter), ruff, mypy where it is strict,
 # hadolint on the Containerfiles.

@@ -18,9 +18,14 @@ for _path in (ROOT, ROOT / "tests"):  # the project, and tests/support (the netn
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from support.interrupt import stop_on_signals  # noqa: E402
 from support.netns import VethLink, available, veth_link  # noqa: E402
 from support.ports import free_port, free_ports  # noqa: E402,F401  (re-exported for the benches)
 from support.wan import wan_path  # noqa: E402
+
+# Every benchmark imports this module: SIGTERM (a timeout, an operator) unwinds like Ctrl-C, so the
+# benchmark's `finally` blocks stop its services, delay lines and namespaces before it exits.
+stop_on_signals()
 
 
 def require(tool: str, package: str) -> str:

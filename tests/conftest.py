@@ -6,7 +6,13 @@ from services.cache_pool.server import PoolIdentity, start_pool_server
 from services.planner.inputs import load_plan_inputs
 from services.planner.report import run_plan
 from support.deployment import Deployment
+from support.interrupt import stop_on_signals, stop_with_parent
 from support.planner_inputs import CASE_STUDY
+
+
+def pytest_configure(config):
+    stop_on_signals()  # SIGTERM unwinds like Ctrl-C: every fixture's teardown stops what it started
+    stop_with_parent()  # and a stopped `make test` sends pytest one
 
 
 @pytest.fixture

@@ -1,36 +1,128 @@
-"""The chaos benchmark's short version, so that it cannot rot: bench/chaos.py for under three
-minutes with three faults (the PrfaaS prefill worker and the local cache pool killed and restarted,
-the WAN link dropped) must meet the benchmark's own targets: no wrong, hung or lost answer, nothing
-leaked, and the requests no killed process held completed. The full run (5 minutes, every fault)
-is `python bench/chaos.py`; docs/reliability.md gives its figures. Needs root (skipped otherwise)."""
+"""bench/chaos.py in short, so that it cannot rot, and stopped mid-run, so that it cannot leak.
+
+The short run: one fault (the local cache pool killed and restarted) under about 30 requests; it must
+meet the benchmark's own targets: no wrong, hung or lost answer, nothing leaked, and the requests no
+killed process held completed. The full run (5 minutes, every fault) is `python bench/chaos.py`;
+docs/reliability.md gives its figures.
+
+The stopped run: SIGTERM while its deployment serves (what CI's time limit, a timeout or an operator
+does) must leave no process, network namespace, listening socket or shared-memory file of it.
+Both need root (skipped otherwise); the second reuses the first one's cached expected answers."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support import netns
+from support.deployment import wait_until
+from services.launcher.supervisor import router_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
+SHORT_RUN = ["--minutes", "0.3", "--rate", "0.5", "--seed", "1", "--faults", "kill_pool"]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(autouse=True)
+def namespaces():
+    if (reason := netns.available()) is not None:
+        pytest.skip(f"chaos {reason}")
 
 
 def test_a_short_chaos_run_meets_its_targets(tmp_path):
-    if (reason := netns.available()) is not None:
-        pytest.skip(f"chaos {reason}")
-    run = subprocess.run([sys.executable, "bench/chaos.py", "--minutes", "2.5", "--seed", "1",
-                          "--faults", "kill_prefill,kill_pool,link_drop", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1400)
+    run = subprocess.run([sys.executable, "bench/chaos.py", *SHORT_RUN, "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=800)
     print(run.stdout[-6000:], run.stderr[-3000:])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].endswith("PASS")
-    summary = json.loads((tmp_path / "chaos.json").read_text())["summary"]
-    requests = summary["requests"]
-    assert requests["sent"] >= 40 and requests["wrong"] == requests["hung"] == requests["lost"] == 0
-    assert {f["name"] for f in json.loads((tmp_path / "chaos.json").read_text())["faults"]} == {
-        "kill_prefill", "kill_pool", "link_drop"}
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    requests = report["summary"]["requests"]
+    assert requests["sent"] >= 20 and requests["wrong"] == requests["hung"] == requests["lost"] == 0
+    assert [f["name"] for f in report["faults"]] == ["kill_pool"]
     assert (tmp_path / "chaos.png").stat().st_size > 10_000
+
+
+def test_sigterm_mid_run_leaves_nothing_behind(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    bench = subprocess.Popen([sys.executable, "bench/chaos.py", *SHORT_RUN, "--out", str(tmp_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        config_path = tmp_path / "config.yaml"
+        assert wait_until(lambda: config_path.exists() or bench.poll() is not None, 600, interval_s=1)
+        config = yaml.safe_load(config_path.read_text())
+        assert wait_until(lambda: router_healthy("127.0.0.1", config["router"]["port"]) or bench.poll() is not None,
+                          300, interval_s=1), "the benchmark's deployment did not start"
+        assert bench.poll() is None, "the benchmark ended before it was stopped"
+        made = _descendants(bench.pid)
+        assert len(made) >= 5, made  # router, three workers, two pools (and their engines)
+        bench.send_signal(signal.SIGTERM)
+        output, _ = bench.communicate(timeout=150)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+    assert wait_until(lambda: not [pid for pid in made if _alive(pid)], 15), \
+        f"processes left running: {[_command(pid) for pid in made if _alive(pid)]}\n{output[-3000:]}"
+    tag = f"{bench.pid}x"
+    assert not [name for name in _namespaces_and_links() if tag in name]
+    ports = [config["router"]["port"]] + [e[k] for e in config["workers"] + config["cache_pools"]
+                                         for k in ("port", "kv_port") if e.get(k)]
+    assert not [port for port in ports if _listening(port)]
+    assert wait_until(lambda: not (set(os.listdir("/dev/shm")) - shm_before), 15), \
+        f"shared memory left: {sorted(set(os.listdir('/dev/shm')) - shm_before)}"
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` now: its children, theirs, and the members of their sessions
+    (each service is a session of its own)."""
+    parents, sessions = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)], sessions[int(entry)] = int(fields[1]), int(fields[4])
+    found, frontier = set(), {root}
+    while frontier:
+        found |= frontier
+        frontier = {pid for pid, parent in parents.items() if parent in frontier or sessions[pid] in frontier} - found
+    return sorted(found - {root})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200]
+    except OSError:
+        return f"pid {pid}"
+
+
+def _namespaces_and_links() -> list[str]:
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
+    return names + [line.split(":")[1].strip().split("@")[0] for line in links]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False

@@ -4,10 +4,12 @@ the image's volume at start, the official openai client answered, a long prompt 
 PrfaaS path, the image's HEALTHCHECK passing, and SIGTERM (`podman stop`) ending everything cleanly
 within the grace period.
 
-The build is the real one; it is skipped when its inputs did not change (the image's build tag
-holds a hash of them), so only the first run on a machine pays for it (debootstrap, wheel download,
-install: ~15 min here). Skipped only where podman is not installed; scripts/bootstrap.sh installs
-it as root on Debian, so CI runs it."""
+Run by `make test-image`, not by `make test`: on a fresh machine the build alone takes longer than
+the suite may (debootstrap, wheel download, install: ~7-15 min). It is skipped when its inputs did
+not change (the image's build tag holds a hash of them), so only the first run on a machine pays
+for it. `make test` checks the image's inputs instead (tests/unit/test_container_inputs.py, and
+tests/unit/test_kubernetes_manifests.py against the manifests; `make lint` runs hadolint). Skipped
+only where podman is not installed; scripts/bootstrap.sh installs it as root on Debian."""
 from __future__ import annotations
 
 import json
@@ -34,7 +36,7 @@ GRACE_S = 60            # podman stop's grace period, as deploy/kubernetes gives
 SHM_SIZE = "1g"          # as docs/deployment.md runs the image
 LONG_PROMPT_TOKENS = 256  # the image config's scheduler.offload_threshold_tokens
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.image,
               pytest.mark.timeout(BUILD_TIMEOUT_S + START_TIMEOUT_S + 600),
               pytest.mark.skipif(shutil.which("podman") is None,
                                  reason="podman is not installed (scripts/podman_setup.sh installs it)")]

@@ -21,6 +21,7 @@ from services.security import GrpcSecurity
 from support.ports import free_port
 
 START_TIMEOUT_S = 300.0
+_CREDENTIAL_VARIABLES = ("PRFAAS_GRPC_TOKEN", "PRFAAS_KV_SECRET", "PRFAAS_API_KEYS")  # `up` makes its own
 
 
 def deployment_config(workers: list[dict], model_path: str = "builtin:smollm2-135m-instruct",
@@ -40,14 +41,24 @@ def deployment_config(workers: list[dict], model_path: str = "builtin:smollm2-13
 
 @dataclass
 class Deployment:
-    """Services started with the same supervisor `prfaas up` uses, one process group each.
-    ``prefixes``: per service name, words put before its command line (e.g. ``ip netns exec NS``)."""
+    """A deployment for a test, every service its own process: the one way tests start one.
+
+    ``launcher``: "services" starts each service with the supervisor `prfaas up` uses (one process
+    group each, so a test can kill one); "up" runs `prfaas up` itself, as an operator does, which
+    starts the services and stops them on SIGTERM. ``prefixes``: per service name, words put before
+    its command line (e.g. ``ip netns exec NS``). ``env``: added to the services' environment.
+    ``only`` and ``credentials``: start only these services, with another deployment's credentials
+    (see ``start_router``)."""
 
     config: dict
     directory: Path
     children: list = field(default_factory=list)
     security: GrpcSecurity = field(default_factory=GrpcSecurity)
     prefixes: dict[str, list[str]] = field(default_factory=dict)
+    launcher: str = "services"
+    env: dict[str, str] = field(default_factory=dict)
+    only: tuple[str, ...] | None = None
+    credentials: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -58,29 +69,77 @@ class Deployment:
         return self.directory / "config.yaml"
 
     def start(self) -> "Deployment":
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config))
         from services.config import load_config
 
         parsed = load_config(self.config_path)
-        credentials = supervisor.generated_credentials(parsed)  # closed, as `prfaas up` is
-        self.security = GrpcSecurity.of(parsed)
-        if token := credentials.get(parsed.security.token_env):
-            self.security = dataclasses.replace(self.security, token=token, accepted_tokens=(token,))
-        self.children = supervisor.children_for(parsed, self.config_path, self.directory)
-        for child in self.children:
-            child.argv = self.prefixes.get(child.name, []) + child.argv
-            child.env = credentials
-            child.start()
-        self._wait_healthy(parsed)
+        try:
+            if self.launcher == "up":
+                self._start_up(parsed)
+            else:
+                self._start_services(parsed)
+            self._wait_healthy(parsed)
+        except BaseException:  # a failed or interrupted start-up leaves no service running
+            self.stop()
+            raise
         return self
 
+    def start_router(self, directory: Path, **sections) -> "Deployment":
+        """Another router, with its own port and ``sections`` (e.g. ``scheduler={...}``) merged into
+        this deployment's config, in front of this deployment's running workers and pools, with
+        their credentials: a second router replica, as an operator runs one."""
+        config = {**self.config, "router": {**self.config["router"], "port": free_port()}}
+        for name, section in sections.items():
+            config[name] = section if isinstance(section, list) else {**config.get(name, {}), **section}
+        return Deployment(config, directory, only=("router",), credentials=self.credentials).start()
+
+    def _start_services(self, parsed) -> None:
+        # closed, as `prfaas up` is: a token and a KV secret made here unless configured
+        self.credentials = self.credentials or supervisor.generated_credentials(parsed)
+        self._use_token(parsed)
+        self.children = [c for c in supervisor.children_for(parsed, self.config_path, self.directory)
+                         if self.only is None or c.name in self.only]
+        for child in self.children:
+            child.argv = self.prefixes.get(child.name, []) + child.argv
+            child.env = {**self.credentials, **self.env}
+            child.start()
+
+    def _start_up(self, parsed) -> None:
+        """`prfaas up --log-dir DIRECTORY`: the services' logs and the credentials it generates
+        (credentials.env) land in this deployment's directory."""
+        up = supervisor.Child("up", [sys.executable, "-m", "services.cli", "up", "--config", str(self.config_path),
+                                     "--log-dir", str(self.directory)], self.directory / "up.log")
+        up.env = {**{k: "" for k in _CREDENTIAL_VARIABLES if k in os.environ}, **self.env}
+        self.children = [up]
+        up.start()
+        written = self.directory / "credentials.env"
+        wait_until(lambda: written.exists() or up.exited, START_TIMEOUT_S)
+        if written.exists():
+            self.credentials = dict(line.split("=", 1) for line in written.read_text().split())
+        self._use_token(parsed)
+
+    def _use_token(self, parsed) -> None:
+        self.security = GrpcSecurity.of(parsed)
+        if token := self.credentials.get(parsed.security.token_env):
+            self.security = dataclasses.replace(self.security, token=token, accepted_tokens=(token,))
+
+    def service_pids(self) -> dict[str, int]:
+        """With the "up" launcher: the pid of every service `prfaas up` started, from its output."""
+        started = re.findall(r"^started (\S+) \(pid (\d+)\)", self.child("up").log_path.read_text(), re.MULTILINE)
+        return {name: int(pid) for name, pid in started}
+
     def stop(self) -> None:
-        supervisor.stop_all(self.children)
+        # `prfaas up` stops its services (up to STOP_TIMEOUT_S each) before it exits itself
+        supervisor.stop_all(self.children, timeout_s=supervisor.STOP_TIMEOUT_S * (2 if self.launcher == "up" else 1))
 
     def child(self, name: str):
         return next(c for c in self.children if c.name == name)
 
     def kill(self, name: str) -> None:
+        if self.launcher == "up":
+            os.killpg(self.service_pids()[name], signal.SIGKILL)
+            return
         child = self.child(name)
         os.killpg(child.process.pid, signal.SIGKILL)
         child.process.wait()
@@ -105,6 +164,9 @@ class Deployment:
         return self.metric(f'prfaas_router_routed_requests_total{{path="{path}"}}')
 
     def logs(self) -> str:
+        if self.launcher == "up":  # the services' logs are files in the directory `prfaas up` was given
+            return "\n".join(f"--- {path.stem} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+                             for path in sorted(self.directory.glob("*.log")))
         return "\n".join(f"--- {c.name} ---\n{c.log_tail(40)}" for c in self.children)
 
     def _wait_healthy(self, parsed) -> None:
@@ -138,9 +200,43 @@ def python() -> str:
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 600) -> str:
-    """Run ``code`` in a fresh interpreter (engines need their own process); returns stdout."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **(env or {})})
-    if result.returncode != 0:
-        raise RuntimeError(f"subprocess failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result.stdout
+    """Run ``code`` in a fresh interpreter (engines need their own process); returns stdout. The
+    interpreter and whatever it starts (vLLM's engine processes) are one process group, killed
+    whole on a timeout or an interrupt."""
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        _end_group(process, signal.SIGTERM, grace_s=5.0)
+        raise
+    # What the interpreter left (vLLM's engine processes, multiprocessing's resource tracker, which
+    # unlinks leaked shared memory once its parent is gone) gets a moment, then is killed.
+    _end_group(process, None, grace_s=10.0)
+    if process.returncode != 0:
+        raise RuntimeError(f"subprocess failed ({process.returncode}):\n{stderr[-4000:]}")
+    return stdout
+
+
+def _end_group(process: subprocess.Popen, sig: int | None, grace_s: float) -> None:
+    """Send ``sig`` (if any) to the process' group, wait up to ``grace_s`` for the group to empty,
+    then SIGKILL what is left; the process itself is reaped."""
+    deadline = time.monotonic() + grace_s
+    if sig is not None:
+        _signal_group(process.pid, sig)
+    while time.monotonic() < deadline:
+        process.poll()
+        if not _signal_group(process.pid, 0):
+            break
+        time.sleep(0.1)
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Whether the group had a member to signal."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,4 +1,5 @@
-"""Admission control end to end: a real router and decode worker, the official openai client.
+"""Admission control end to end: a real router in front of the embedded deployment's workers, the
+official openai client.
 
 Capacity is 2 requests in flight, half of it reserved for the `premium` class, so `standard`
 requests get one slot: concurrent ones beyond it are refused with 429 and `Retry-After`, while
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from support.deployment import deployment_config, wait_until
+from support.deployment import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +30,11 @@ SCHEDULER = {
 
 
 @pytest.fixture(scope="module")
-def deployment(start_deployment):
-    config = deployment_config([{"name": "decode-0", "service": "decode_worker", "role": "both"}],
-                               scheduler=SCHEDULER)
-    return start_deployment(config, "admission")
+def deployment(embedded, tmp_path_factory):
+    """A router of its own with admission control, in front of the embedded deployment's workers."""
+    router = embedded.start_router(tmp_path_factory.mktemp("admission"), scheduler=SCHEDULER)
+    yield router
+    router.stop()
 
 
 @pytest.fixture(scope="module")

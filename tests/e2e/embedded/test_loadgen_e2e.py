@@ -1,5 +1,6 @@
 """`prfaas bench serve` against the real embedded deployment (router, prefill worker, decode worker,
-vLLM), which logs JSON lines here: one request id must follow a request through every service."""
+vLLM; tests/e2e/embedded/conftest.py), which logs JSON lines: one request id must follow a request
+through every service."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import uuid
 import openai
 import pytest
 
-from support.deployment import deployment_config, wait_until
-from support.ports import free_port
+from support.deployment import wait_until
+from support.embedded import API_KEY
 
 pytestmark = pytest.mark.e2e
 
@@ -21,12 +22,8 @@ OUTPUT_LEN = 16
 
 
 @pytest.fixture(scope="module")
-def deployment(start_deployment):
-    config = deployment_config([{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"},
-                                {"name": "decode-0", "service": "decode_worker", "role": "both",
-                                 "kv_port": free_port()}],
-                               logging={"level": "debug", "json": True})
-    return start_deployment(config, "bench")
+def deployment(embedded):
+    return embedded
 
 
 def bench(deployment, tmp_path, *args) -> dict:
@@ -34,7 +31,7 @@ def bench(deployment, tmp_path, *args) -> dict:
     command = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", deployment.base_url,
                "--model", MODEL, "--num-prompts", str(NUM_PROMPTS), "--output-len", str(OUTPUT_LEN),
                "--ignore-eos", "--temperature", "0", "--max-concurrency", "4", "--no-progress", "--fail-on-error",
-               "--result-file", str(path), *args]
+               "--result-file", str(path), "--api-key", API_KEY, *args]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{deployment.logs()}"
     assert "Serving Benchmark Result" in run.stdout
@@ -79,7 +76,7 @@ def _tagged(deployment, service: str, request_id: str) -> bool:
 
 def test_one_request_id_follows_a_request_through_every_service(deployment):
     request_id = f"trace-{uuid.uuid4().hex[:8]}"
-    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     prompt = [1000 + i % 5000 for i in range(1500)]  # over the offload threshold: prefilled on prefill-0
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True},
                                       extra_headers={"X-Request-Id": request_id})

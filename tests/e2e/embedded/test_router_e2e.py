@@ -1,76 +1,40 @@
-"""The walking skeleton end to end: `prfaas up` processes, real vLLM, the official openai client."""
+"""The walking skeleton end to end: `prfaas up` processes (the embedded deployment,
+tests/e2e/embedded/conftest.py, whose teardown checks that SIGTERM stops every service), real vLLM,
+the official openai client."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from services.engine.args import resolve_dtype
 from services.models import smollm2
-from services.security import GrpcSecurity
-from support.deployment import deployment_config, run_python, wait_until
+from support.baseline import greedy_token_texts
+from support.deployment import wait_until
+from support.embedded import API_KEY, MODEL
 
 pytestmark = pytest.mark.e2e
 
-API_KEY = "test-key-1"
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea."]
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    """`prfaas up` with a prefill worker and a decode worker, API key required."""
-    directory = tmp_path_factory.mktemp("up")
-    config = deployment_config(
-        [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"},
-         {"name": "decode-0", "service": "decode_worker", "role": "both"}],
-        router={"api_keys": [API_KEY]},
-    )
-    (directory / "config.yaml").write_text(yaml.safe_dump(config))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(directory / "config.yaml"),
-         "--log-dir", str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    output = _read_until(process, "curl ", timeout_s=300)
-    yield {"config": config, "base_url": f"http://127.0.0.1:{config['router']['port']}", "dir": directory,
-           "process": process, "startup_output": output}
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
-
-
-def _read_until(process, marker: str, timeout_s: float) -> str:
-    lines = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            raise RuntimeError("prfaas up exited:\n" + "".join(lines))
-        lines.append(line)
-        if marker in line:
-            return "".join(lines)
-    process.kill()
-    raise TimeoutError("prfaas up not ready:\n" + "".join(lines))
+def deployment(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    return openai.OpenAI(base_url=deployment["base_url"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=deployment.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_up_prints_endpoint_and_sample_curl(deployment):
-    assert deployment["base_url"] + "/v1" in deployment["startup_output"]
-    assert "curl " in deployment["startup_output"]
-    assert "Authorization: Bearer" in deployment["startup_output"]
+    output = deployment.child("up").log_path.read_text()
+    assert deployment.base_url + "/v1" in output
+    assert "curl " in output
+    assert "Authorization: Bearer" in output
 
 
 def test_models_lists_the_served_model(client):
@@ -127,21 +91,11 @@ def _stream_chat(client, question: str) -> dict:
 
 
 def _direct_vllm_greedy(prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    code = f"""
-import json
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model={str(smollm2.prepare())!r}, max_model_len=2048, dtype={resolve_dtype("auto", smollm2.prepare())!r},
-          enforce_eager=True, seed=0)
-params = SamplingParams(temperature=0, max_tokens={max_tokens})
-results = []
-for ids in {prompts!r}:
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
-    results.append({{"text": out.text, "token_ids": list(out.token_ids)}})
-print("RESULT" + json.dumps(results))
-"""
-    out = run_python(code, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    return json.loads(out.split("RESULT", 1)[1].splitlines()[0])
+    """vLLM's offline API with decode-0's engine settings (one OpenMP thread on CPU 1, chunks of the
+    default budget, EOS honoured); cached by support/baseline.py."""
+    answers = greedy_token_texts(str(smollm2.prepare()), prompts, [2048] * len(prompts), max_tokens, cpu=1,
+                                 ignore_eos=False)
+    return [{"text": text, "token_ids": tokens} for text, tokens in answers]
 
 
 def test_eight_concurrent_streams_complete(deployment):
@@ -153,7 +107,7 @@ def test_eight_concurrent_streams_complete(deployment):
         return chunks[-1].usage.completion_tokens, chunks[-2].choices[0].finish_reason
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=deployment["base_url"] + "/v1", api_key=API_KEY,
+        async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key=API_KEY,
                                       max_retries=0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(8)))
 
@@ -161,16 +115,11 @@ def test_eight_concurrent_streams_complete(deployment):
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(deployment):
-    from support.deployment import Deployment
-
-    direct = Deployment(deployment["config"], deployment["dir"])
-    credentials = dict(line.split("=", 1) for line in (deployment["dir"] / "credentials.env").read_text().split())
-    direct.security = GrpcSecurity(token=credentials["PRFAAS_GRPC_TOKEN"])  # the token `prfaas up` generated
-    stats = direct.worker_stats
+    stats = deployment.worker_stats  # with the token `prfaas up` generated
     body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", deployment["base_url"] + "/v1/completions", json=body,
+        with http.stream("POST", deployment.base_url + "/v1/completions", json=body,
                          headers={"Authorization": f"Bearer {API_KEY}"}) as response:
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]
@@ -203,7 +152,7 @@ def test_bad_input_gets_openai_error(deployment, name, path, body, headers, stat
     all_headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **headers}
     all_headers = {k: v for k, v in all_headers.items() if v is not None}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = httpx.post(deployment["base_url"] + path, content=content, headers=all_headers, timeout=30)
+    reply = httpx.post(deployment.base_url + path, content=content, headers=all_headers, timeout=30)
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["message"] and error["type"]
@@ -215,41 +164,18 @@ def test_openai_client_sees_typed_errors_and_server_keeps_serving(client, deploy
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt="x " * 2100, max_tokens=2)
-    bad_key = openai.OpenAI(base_url=deployment["base_url"] + "/v1", api_key="wrong", max_retries=0)
+    bad_key = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens > 0
 
 
 def test_health_and_metrics_are_public(deployment):
-    health = httpx.get(deployment["base_url"] + "/health", timeout=10)
+    health = httpx.get(deployment.base_url + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["workers"] == {"prefill-0": True, "decode-0": True}
-    metrics = httpx.get(deployment["base_url"] + "/metrics", timeout=10).text
+    metrics = httpx.get(deployment.base_url + "/metrics", timeout=10).text
     for name in ("prfaas_router_requests_total", "prfaas_router_time_to_first_token_seconds_bucket",
                  "prfaas_router_inter_token_latency_seconds_bucket", "prfaas_router_e2e_request_latency_seconds",
                  "prfaas_router_prompt_tokens_total", "prfaas_router_generation_tokens_total"):
         assert name in metrics
     assert 'status="401"' in metrics and 'status="200"' in metrics
-
-
-def test_sigterm_stops_every_service(deployment):
-    process = deployment["process"]
-    pids = [int(line.split("(pid ")[1].split(")")[0]) for line in deployment["startup_output"].splitlines()
-            if line.startswith("started ")]
-    assert len(pids) == 3
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(90) == 0
-    assert wait_until(lambda: not any(_group_alive(pid) for pid in pids), timeout_s=10)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any live (non-zombie) process left in the process group."""
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False

@@ -1,6 +1,6 @@
 """bench/chaos.py in short, so that it cannot rot, and stopped mid-run, so that it cannot leak.
 
-The short run: one fault (the local cache pool killed and restarted) under about 30 requests; it must
+The short run: one fault (the local cache pool killed and restarted) under about 25 requests; it must
 meet the benchmark's own targets: no wrong, hung or lost answer, nothing leaked, and the requests no
 killed process held completed. The full run (5 minutes, every fault) is `python bench/chaos.py`;
 docs/reliability.md gives its figures.
@@ -26,7 +26,7 @@ from support.deployment import wait_until
 from services.launcher.supervisor import router_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT_RUN = ["--minutes", "0.3", "--rate", "0.5", "--seed", "1", "--faults", "kill_pool"]
+SHORT_RUN = ["--minutes", "0.3", "--rate", "0.4", "--seed", "1", "--faults", "kill_pool"]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -45,7 +45,7 @@ def test_a_short_chaos_run_meets_its_targets(tmp_path):
     assert run.stdout.strip().splitlines()[-1].endswith("PASS")
     report = json.loads((tmp_path / "chaos.json").read_text())
     requests = report["summary"]["requests"]
-    assert requests["sent"] >= 20 and requests["wrong"] == requests["hung"] == requests["lost"] == 0
+    assert requests["sent"] >= 15 and requests["wrong"] == requests["hung"] == requests["lost"] == 0
     assert [f["name"] for f in report["faults"]] == ["kill_pool"]
     assert (tmp_path / "chaos.png").stat().st_size > 10_000
 
@@ -76,8 +76,8 @@ def test_sigterm_mid_run_leaves_nothing_behind(tmp_path):
     ports = [config["router"]["port"]] + [e[k] for e in config["workers"] + config["cache_pools"]
                                          for k in ("port", "kv_port") if e.get(k)]
     assert not [port for port in ports if _listening(port)]
-    assert wait_until(lambda: not (set(os.listdir("/dev/shm")) - shm_before), 15), \
-        f"shared memory left: {sorted(set(os.listdir('/dev/shm')) - shm_before)}"
+    left = lambda: _unused(set(os.listdir("/dev/shm")) - shm_before)  # noqa: E731
+    assert wait_until(lambda: not left(), 15), f"shared memory left: {left()}"
 
 
 def _descendants(root: int) -> list[int]:
@@ -110,6 +110,25 @@ def _command(pid: int) -> str:
         return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200]
     except OSError:
         return f"pid {pid}"
+
+
+def _unused(names: set[str]) -> list[str]:
+    """The files of /dev/shm among ``names`` that no live process has open or mapped: leaked, not
+    in use by something else on the machine."""
+    used = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            used.update(line.split("/dev/shm/", 1)[1].split()[0] for line in open(f"/proc/{entry}/maps")
+                        if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:
+            continue
+    return sorted(name for name in names if name not in used and os.path.exists(f"/dev/shm/{name}"))
 
 
 def _namespaces_and_links() -> list[str]:

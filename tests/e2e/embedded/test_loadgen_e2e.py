@@ -58,9 +58,9 @@ def test_bench_serve_measures_what_the_server_reports(deployment, tmp_path, endp
 
 def test_long_prompts_are_routed_and_accounted(deployment, tmp_path):
     """Prompts over the offload threshold; whether they go to the PrfaaS cluster is the router's business."""
-    result = bench(deployment, tmp_path, "--input-len", "1500", "--request-rate", "4")
+    result = bench(deployment, tmp_path, "--input-len", "640", "--request-rate", "4")
     assert result["completed"] == NUM_PROMPTS and result["usage_mismatches"] == 0
-    assert result["usage_prompt_tokens"] == [1500] * NUM_PROMPTS
+    assert result["usage_prompt_tokens"] == [640] * NUM_PROMPTS
     router = result["router_metrics"]
     assert sum(router["routed_requests"].values()) == NUM_PROMPTS
     assert 0.0 <= router["offloaded_fraction"] <= 1.0

@@ -59,6 +59,7 @@ from support.baseline import greedy_margins
 from support.deployment import Deployment, deployment_config
 from support.netns import available, run_command
 from support.ports import free_port
+from support.procs import group_pids
 from support.prose import corpus
 from support.wan import wan_path
 
@@ -376,19 +377,6 @@ def classify(outcome: RequestOutcome, expected: set[str]) -> tuple[str, str]:
 
 
 # --- sampling --------------------------------------------------------------------------------------
-
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                pids.append(int(entry))
-    return pids
-
 
 def process_figures(pgid: int) -> dict:
     """RSS (MiB), its private part (RssAnon) and its shared-memory part (RssShmem: the pool arena

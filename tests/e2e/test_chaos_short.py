@@ -23,6 +23,7 @@ import yaml
 
 from support import netns
 from support.deployment import wait_until
+from support.procs import alive, descendants
 from services.launcher.supervisor import router_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_sigterm_mid_run_leaves_nothing_behind(tmp_path):
         assert wait_until(lambda: router_healthy("127.0.0.1", config["router"]["port"]) or bench.poll() is not None,
                           300, interval_s=1), "the benchmark's deployment did not start"
         assert bench.poll() is None, "the benchmark ended before it was stopped"
-        made = _descendants(bench.pid)
+        made = descendants(bench.pid)
         assert len(made) >= 5, made  # router, three workers, two pools (and their engines)
         bench.send_signal(signal.SIGTERM)
         output, _ = bench.communicate(timeout=150)
@@ -69,8 +70,8 @@ def test_sigterm_mid_run_leaves_nothing_behind(tmp_path):
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
-    assert wait_until(lambda: not [pid for pid in made if _alive(pid)], 15), \
-        f"processes left running: {[_command(pid) for pid in made if _alive(pid)]}\n{output[-3000:]}"
+    assert wait_until(lambda: not [pid for pid in made if alive(pid)], 15), \
+        f"processes left running: {[_command(pid) for pid in made if alive(pid)]}\n{output[-3000:]}"
     tag = f"{bench.pid}x"
     assert not [name for name in _namespaces_and_links() if tag in name]
     ports = [config["router"]["port"]] + [e[k] for e in config["workers"] + config["cache_pools"]
@@ -78,31 +79,6 @@ def test_sigterm_mid_run_leaves_nothing_behind(tmp_path):
     assert not [port for port in ports if _listening(port)]
     left = lambda: _unused(set(os.listdir("/dev/shm")) - shm_before)  # noqa: E731
     assert wait_until(lambda: not left(), 15), f"shared memory left: {left()}"
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root`` now: its children, theirs, and the members of their sessions
-    (each service is a session of its own)."""
-    parents, sessions = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)], sessions[int(entry)] = int(fields[1]), int(fields[4])
-    found, frontier = set(), {root}
-    while frontier:
-        found |= frontier
-        frontier = {pid for pid, parent in parents.items() if parent in frontier or sessions[pid] in frontier} - found
-    return sorted(found - {root})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _command(pid: int) -> str:

@@ -1,8 +1,6 @@
 """The embedded default as the tests in tests/e2e/embedded/ run it (their conftest.py starts it)."""
 from __future__ import annotations
 
-import os
-
 import yaml
 
 from services.launcher.cli import DEFAULT_CONFIG
@@ -22,16 +20,3 @@ def embedded_default_on_free_ports() -> dict:
             worker["kv_port"] = free_port()
     config["logging"] = {**config["logging"], "level": "debug", "json": True}
     return config
-
-
-def group_alive(pgid: int) -> bool:
-    """Any live (non-zombie) process left in the process group."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from support.deployment import Deployment, wait_until
-from support.embedded import API_KEY, embedded_default_on_free_ports, group_alive
+from support.embedded import API_KEY, embedded_default_on_free_ports
+from support.procs import group_alive
 
 
 @pytest.fixture(scope="package")

@@ -23,6 +23,8 @@ from support.ports import free_port
 START_TIMEOUT_S = 300.0
 _CREDENTIAL_VARIABLES = ("PRFAAS_GRPC_TOKEN", "PRFAAS_KV_SECRET", "PRFAAS_API_KEYS")  # `up` makes its own
 
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt)|Killed)\b")
+
 
 def deployment_config(workers: list[dict], model_path: str = "builtin:smollm2-135m-instruct",
                       model_name: str = "smollm2-135m-instruct", **sections) -> dict:
@@ -164,10 +166,16 @@ class Deployment:
         return self.metric(f'prfaas_router_routed_requests_total{{path="{path}"}}')
 
     def logs(self) -> str:
+        """Each service's last 40 log lines, then every exception line of every log: a CI log keeps
+        only its end, and an engine's root cause sits above its own tail."""
         if self.launcher == "up":  # the services' logs are files in the directory `prfaas up` was given
-            return "\n".join(f"--- {path.stem} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:])
-                             for path in sorted(self.directory.glob("*.log")))
-        return "\n".join(f"--- {c.name} ---\n{c.log_tail(40)}" for c in self.children)
+            texts = {path.stem: path.read_text(errors="replace") for path in sorted(self.directory.glob("*.log"))}
+        else:
+            texts = {c.name: c.log_tail(10_000) for c in self.children}
+        tails = "\n".join(f"--- {name} ---\n" + "\n".join(text.splitlines()[-40:]) for name, text in texts.items())
+        errors = [f"{name}: {line.strip()}" for name, text in texts.items() for line in text.splitlines()
+                  if _EXCEPTION_LINE.match(line.strip())]
+        return tails + "\n--- exceptions in the logs ---\n" + ("\n".join(errors[-20:]) or "(none)")
 
     def _wait_healthy(self, parsed) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

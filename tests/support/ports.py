@@ -6,24 +6,50 @@ separate processes whose ports must be written into a config file before they st
 (another process may take the port between this check and the service's bind), which those tests accept.
 Within one process it never hands out the same port twice: the kernel may return a port it just gave,
 and two services of one config file must not be written the same port.
+
+The ports come from below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``). A port
+there is never what the kernel picks for a ``bind(port 0)`` or for the local end of an outgoing
+connection, so a vLLM engine starting meanwhile (its handshake, its torch.distributed store, the
+reference engine a test runs beside its deployment) cannot take a port written into a config file
+between the check and the service's bind. Only another process choosing ports by hand could.
 """
 import contextlib
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 _handed_out: set[int] = set()
+_random = random.Random()  # its own: a test that seeds the module's generator must not fix the ports
+
+
+def _hand_range() -> range:
+    """Ports to hand out: from 10000 up to the first ephemeral port (32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    return range(10000, max(first_ephemeral, 10001 + 1000))
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A port nothing listened on a moment ago and not returned before by this process, for a config
-    file written before its services start."""
+    """A port nothing listened on a moment ago, below the ephemeral range, and not returned before by
+    this process, for a config file written before its services start."""
+    candidates = _hand_range()
     for _ in range(1000):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
+        port = _random.choice(candidates)
+        if port not in _handed_out and _bindable(port):
             _handed_out.add(port)
             return port
     raise RuntimeError("no free port left that this process has not handed out already")

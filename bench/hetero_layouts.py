@@ -33,10 +33,10 @@ import torch
 from _common import median, verdict
 
 from services.engine.args import checkpoint_config, resolve_dtype
-from services.kv_connector.layout import KVLayout
-from services.kv_connector.layout_apply import TORCH_DTYPES, attention_view, token_view
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES
-from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.layouts.pages import KVLayout
+from services.kv_connector.layouts.apply import TORCH_DTYPES, attention_view, token_view
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES
+from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import KVTransport, TransportSettings

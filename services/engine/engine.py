@@ -103,12 +103,12 @@ class Engine:
 
 def announced_layout(vllm_config: Any) -> bytes:
     """The engine's rank-0 KV layout, derived from its configs (the worker process has no
-    ``KVCacheConfig``; see ``layout_config``); b"" where it cannot be described, which peers treat as
+    ``KVCacheConfig``; see ``layouts.from_config``); b"" where it cannot be described, which peers treat as
     unknown (allowed)."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
-    from services.kv_connector.layout_config import spec_from_config
-    from services.kv_connector.layout_vllm import with_cache_layout
+    from services.kv_connector.layouts.from_config import spec_from_config
+    from services.kv_connector.layouts.from_vllm import with_cache_layout
 
     model = vllm_config.model_config.served_model_name
     try:

@@ -89,5 +89,5 @@ class WorkerStats:
     kv_pool_loads_failed: int = 0
     kv_pool_stores_failed: int = 0
     grpc_rejected: Mapping[str, int] = field(default_factory=dict)
-    layout_spec: bytes = b""  # the rank-0 LayoutSpec as announced (services/kv_connector/layout_spec.py)
+    layout_spec: bytes = b""  # the rank-0 LayoutSpec as announced (services/kv_connector/layouts/spec.py)
     kv_protocol_version: int = 0  # the KV wire protocol the worker speaks; 0: not announced

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from services.kv_connector.layout import KVLayout
+from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PrfaasConnectorMetadata
 from services.kv_connector.pool_scheduler import PoolPlanner
 from services.kv_connector.pool_worker import PoolWorker
@@ -27,8 +27,8 @@ from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats
 from services.kv_connector.stats_file import StatsPublisher, rank_path
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
-from services.kv_connector.layout_spec import LayoutSpec
-from services.kv_connector.layout_vllm import spec_from_vllm, with_cache_layout
+from services.kv_connector.layouts.spec import LayoutSpec
+from services.kv_connector.layouts.from_vllm import spec_from_vllm, with_cache_layout
 from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import setup_package_logging
 

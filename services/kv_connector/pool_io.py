@@ -41,7 +41,7 @@ class PoolModel:
         or the full-attention groups disagree on the block size: the pool is then not used."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
-        from services.kv_connector.layout import spec_fingerprint
+        from services.kv_connector.layouts.pages import spec_fingerprint
 
         groups, block_sizes = [], set()
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from services.kv_connector.forwarder import Forwarder
-from services.kv_connector.layout import NULL_BLOCK, KVLayout, LayerInfo, state_block
-from services.kv_connector.layout_apply import attention_view, slice_attention, slice_state, state_page
-from services.kv_connector.layout_spec import Layer, LayoutSpec
+from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block
+from services.kv_connector.layouts.apply import attention_view, slice_attention, slice_state, state_page
+from services.kv_connector.layouts.spec import Layer, LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.reblock import Reblocker, ReblockPlans, announcement
+from services.kv_connector.layouts.reblock import Reblocker, ReblockPlans, announcement
 from services.kv_connector.stats import INTERVAL_S
-from services.kv_connector.tp_routes import (
+from services.kv_connector.layouts.tp_routes import (
     Route,
     expected_wire_ids,
     forwarded_id,
@@ -107,7 +107,7 @@ class PrfaasConnectorWorker:
         self.forwarder = Forwarder()  # sends to sibling ranks that replicate what this rank receives
 
     def register_kv_caches(self, layout: KVLayout, spec: LayoutSpec | None = None) -> None:
-        """``spec``: this rank's layout as ``layout_spec`` describes it (None: this engine can receive
+        """``spec``: this rank's layout as ``layouts.spec`` describes it (None: this engine can receive
         only from identical layouts)."""
         self.layout = layout
         self._spec = spec

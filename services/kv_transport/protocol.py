@@ -19,7 +19,7 @@ Frame kinds:
   ``group``. A cache pool's transfer moves whole blocks instead, one per DATA frame: there ``layer``
   is the block's index in the transfer (``block_frame_fields``; read back as ``Frame.block_index``).
 - LAYOUT: the producer's KV layout (payload): its fingerprint, then a newline and its ``LayoutSpec``
-  where it can describe itself (``kv_connector/reblock.py``). The consumer writes no block before it
+  where it can describe itself (``kv_connector/layouts/reblock.py``). The consumer writes no block before it
   has checked it: identical layouts copy pages as they are, others are re-blocked or refused.
   ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 2 sent the fingerprint
   alone; version 1 sent it as a DATA frame of layer 0xFFFF.)

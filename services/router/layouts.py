@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from services.kv_connector.layout_map import Unmappable, data_path_problem, plan_mapping
-from services.kv_connector.layout_spec import LayoutSpec
+from services.kv_connector.layouts.mapping import Unmappable, data_path_problem, plan_mapping
+from services.kv_connector.layouts.spec import LayoutSpec
 from services.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)

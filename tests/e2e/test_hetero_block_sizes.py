@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, LayoutSpec
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, LayoutSpec
 from support.baseline import colocated_greedy
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port

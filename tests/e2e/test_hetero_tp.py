@@ -27,7 +27,7 @@ import pytest
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
-from services.kv_connector.layout_spec import LayoutSpec
+from services.kv_connector.layouts.spec import LayoutSpec
 from support.baseline import greedy_token_margins
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port, free_ports

@@ -5,7 +5,7 @@ the concatenated conv dim: query-key 2x4, key 2x4, value 4x4 channels.
 """
 from __future__ import annotations
 
-from services.kv_connector.layout_spec import DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.spec import DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer, Sharded
 
 MODEL = "tiny-hybrid"
 STATE_LEN = 3

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.kv_connector.layout import KVLayout
-from services.kv_connector.layout_apply import (attention_view, conv_state_view, state_page, temporal_state_view,
+from services.kv_connector.layouts.pages import KVLayout
+from services.kv_connector.layouts.apply import (attention_view, conv_state_view, state_page, temporal_state_view,
                                                 token_view)
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
-from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
+from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, protocol

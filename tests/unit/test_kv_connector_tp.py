@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.kv_connector.layout import KVLayout
-from services.kv_connector.layout_apply import (attention_view, conv_state_view, state_page, temporal_state_view,
+from services.kv_connector.layouts.pages import KVLayout
+from services.kv_connector.layouts.apply import (attention_view, conv_state_view, state_page, temporal_state_view,
                                                 token_view)
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
-from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
+from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
@@ -230,7 +230,7 @@ def test_the_transfer_completes_only_when_every_producer_rank_has_finished():
 
 
 def test_routes_address_each_consumer_rank_at_its_port_and_name_each_producer_rank():
-    from services.kv_connector.tp_routes import plan_routes, rank_peer, transfer_of, wire_id
+    from services.kv_connector.layouts.tp_routes import plan_routes, rank_peer, transfer_of, wire_id
 
     producer = _rank(2, 1, 32, fill=False)._spec
     routes, problem = plan_routes(producer, 1)
@@ -250,7 +250,7 @@ def test_replicated_heads_cross_the_link_once():
 
 def _attention_only(tp_size: int, tp_rank: int, kv_heads: int):
     """The layout and announcement of one rank of an engine with one full-attention layer."""
-    from services.kv_connector.reblock import announcement
+    from services.kv_connector.layouts.reblock import announcement
 
     attention = SimpleNamespace(block_size=32, num_kv_heads=max(1, kv_heads // tp_size), head_size=HEAD_SIZE,
                                 dtype=torch.bfloat16)
@@ -266,7 +266,7 @@ def test_one_kv_head_on_every_rank_is_mapped_though_the_ranks_pages_look_alike()
     """With one KV head each rank's pages have the same shape at TP 1 and TP 2, so the fingerprints
     agree; the TP sizes do not (regression: the consumer took the producer's frames as whole pages,
     passed nothing on, and the sibling rank kept zeros for the layers it replicates)."""
-    from services.kv_connector.reblock import ReblockPlans
+    from services.kv_connector.layouts.reblock import ReblockPlans
 
     _, _, producer = _attention_only(1, 0, kv_heads=1)
     layout, spec, _ = _attention_only(2, 0, kv_heads=1)

@@ -11,7 +11,7 @@ import pytest
 
 from services.kv_connector import worker as worker_module
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec
-from services.kv_connector.reblock import ReblockPlans
+from services.kv_connector.layouts.reblock import ReblockPlans
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from support.layouts import gdn, gdn_model, mamba_model, ranks
 
-from services.kv_connector.layout_apply import (attention_view, conv_state_view, from_payload, slice_attention,
+from services.kv_connector.layouts.apply import (attention_view, conv_state_view, from_payload, slice_attention,
                                                 slice_state, temporal_state_view, token_view, write_attention,
                                                 write_state)
-from services.kv_connector.layout_map import LayoutMap, Piece, plan_mapping
-from services.kv_connector.layout_spec import AttentionLayer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.mapping import LayoutMap, Piece, plan_mapping
+from services.kv_connector.layouts.spec import AttentionLayer, LayoutSpec, LinearLayer, Sharded
 
 NUM_TOKENS = 300
 FRAME_BLOCKS = 2  # producer blocks per frame, as the worker streams a layer chunk by chunk

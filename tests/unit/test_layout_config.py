@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig
 
 from services.engine.engine import announced_layout
-from services.kv_connector.layout_config import spec_from_config
-from services.kv_connector.layout_map import LayoutMap, Unmappable, plan_mapping
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, AttentionLayer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.from_config import spec_from_config
+from services.kv_connector.layouts.mapping import LayoutMap, Unmappable, plan_mapping
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, AttentionLayer, LayoutSpec, LinearLayer, Sharded
 from services.models import tiny_hybrid
 
 

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.layouts import attention, gdn, gdn_model, mamba_model, ranks
 
-from services.kv_connector.layout_map import (LayoutMap, Unmappable, chunk_size, plan_mapping, token_chunks,
+from services.kv_connector.layouts.mapping import (LayoutMap, Unmappable, chunk_size, plan_mapping, token_chunks,
                                               wire_cost)
-from services.kv_connector.layout_spec import AttentionLayer, LayoutSpec, Sharded
+from services.kv_connector.layouts.spec import AttentionLayer, LayoutSpec, Sharded
 
 
 def plan(src: LayoutSpec, dst: LayoutSpec) -> LayoutMap:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.kv_connector.layout_map import LayoutMap, plan_mapping
-from services.kv_connector.layout_spec import LinearLayer, Sharded
-from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.layouts.mapping import LayoutMap, plan_mapping
+from services.kv_connector.layouts.spec import LinearLayer, Sharded
+from services.kv_connector.layouts.from_vllm import spec_from_vllm
 
 
 class MambaType(Enum):

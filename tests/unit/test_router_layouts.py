@@ -10,8 +10,8 @@ import pytest
 
 from services.config import parse_config
 from services.engine.types import WorkerStats
-from services.kv_connector import layout_map
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED
+from services.kv_connector.layouts import mapping as layout_map
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
 from services.router import layouts
 from services.router.app import RouterApp
 from services.router.layouts import Announcement, LayoutNegotiation, PairVerdict, judge, judge_layouts

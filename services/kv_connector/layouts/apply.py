@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.kv_connector.layout_map import Piece, chunk_size, token_chunks
-from services.kv_connector.layout_spec import DTYPE_BYTES, AttentionLayer, LinearLayer
+from services.kv_connector.layouts.mapping import Piece, chunk_size, token_chunks
+from services.kv_connector.layouts.spec import DTYPE_BYTES, AttentionLayer, LinearLayer
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 

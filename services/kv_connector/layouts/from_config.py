@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.kv_connector.layout_spec import DTYPE_BYTES, LayoutSpec
-from services.kv_connector.layout_vllm import spec_from_vllm
+from services.kv_connector.layouts.spec import DTYPE_BYTES, LayoutSpec
+from services.kv_connector.layouts.from_vllm import spec_from_vllm
 
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
                    "half": "float16", "float": "float32", "float16": "float16", "bfloat16": "bfloat16",

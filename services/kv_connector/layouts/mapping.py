@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.kv_connector.layout_spec import (
+from services.kv_connector.layouts.spec import (
     CPU_K_TRANSPOSED,
     DTYPE_BYTES,
     AttentionLayer,
@@ -188,10 +188,10 @@ def _continues(last: Piece, piece: Piece) -> bool:
 
 
 def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str | None:
-    """Why the KV data path cannot carry ``layout_map``, or None. Identical layouts travel as whole
+    """Why the KV data path cannot carry a ``LayoutMap``, or None. Identical layouts travel as whole
     pages. Otherwise each producer rank sends each consumer rank its pieces (a consumer rank passes
     on the pieces its replicas hold) and the consumer re-blocks them, which needs both attention
-    caches in the layout ``layout_apply`` reads (``CPU_K_TRANSPOSED``)."""
+    caches in the layout ``apply`` reads (``CPU_K_TRANSPOSED``)."""
     if layout_map.is_identity:
         return None
     if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:

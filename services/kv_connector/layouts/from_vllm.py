@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
 
 
 def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str], tp_rank: int, tp_size: int,
@@ -41,7 +41,7 @@ def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str],
                       cache_layout)
 
 
-# vLLM CPU attention kernels (by ISA) whose cache layout ``layout_apply.token_view`` reads; checked
+# vLLM CPU attention kernels (by ISA) whose cache layout ``apply.token_view`` reads; checked
 # against the kernel by tests/unit/test_layout_apply.py. Others (AMX, other architectures) are unknown.
 KERNEL_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED}
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.kv_connector.layout_map import Piece, Unmappable, data_path_problem, plan_mapping
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, LayoutSpec
+from services.kv_connector.layouts.mapping import Piece, Unmappable, data_path_problem, plan_mapping
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, LayoutSpec
 
 WIRE_SEPARATOR = "#p"
 FORWARD_SEPARATOR = "#f"

@@ -1,8 +1,8 @@
 """What one engine rank announces about its KV cache at the handshake, so that two sides with
 different tensor parallelism or block sizes can be mapped onto each other (issue 19).
 
-Pure data, no torch and no vLLM: ``layout_vllm`` builds a spec from an engine, ``layout_map`` plans
-how a producer cluster's ranks fill a consumer cluster's ranks, ``layout_apply`` moves the tensors.
+Pure data, no torch and no vLLM: ``from_vllm`` builds a spec from an engine, ``mapping`` plans
+how a producer cluster's ranks fill a consumer cluster's ranks, ``apply`` moves the tensors.
 
 Every tensor-parallel split is described as a ``Sharded`` dimension: a number of whole units (KV
 heads, linear-attention heads, Mamba groups) of ``unit_size`` elements each. A linear-attention conv
@@ -23,7 +23,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
                "int8": 1, "uint8": 1}
 CONV_LAYOUTS = ("SD", "DS")  # vLLM's conv state orientation: (state_len, dim) or (dim, state_len)
 # vLLM's CPU attention cache, [blocks, heads, block_size, 2 x head_size]: per (block, head) its K
-# transposed ([head_size, block_size]), then its V ([block_size, head_size]) (``layout_apply``)
+# transposed ([head_size, block_size]), then its V ([block_size, head_size]) (``apply``)
 CPU_K_TRANSPOSED = "cpu-k-transposed"
 
 

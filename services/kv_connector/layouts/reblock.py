@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.kv_connector.layout import KVLayout, LayerInfo
-from services.kv_connector.layout_apply import (
+from services.kv_connector.layouts.apply import (
     TORCH_DTYPES,
     attention_view,
     conv_state_view,
@@ -30,8 +29,16 @@ from services.kv_connector.layout_apply import (
     write_attention,
     write_state,
 )
-from services.kv_connector.layout_map import LayoutMap, Piece, Unmappable, data_path_problem, plan_mapping, sources_of
-from services.kv_connector.layout_spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
+from services.kv_connector.layouts.mapping import (
+    LayoutMap,
+    Piece,
+    Unmappable,
+    data_path_problem,
+    plan_mapping,
+    sources_of,
+)
+from services.kv_connector.layouts.pages import KVLayout, LayerInfo
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
 
 SEPARATOR = b"\n"
 MAX_PLANS = 64

@@ -34,8 +34,8 @@ import yaml
 from _common import ROOT, free_port, median, verdict
 from cache_lookup import wait_serving
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import Block, Pieces
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.types import Block, Pieces
 
 TOKENS_PER_BLOCK, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES = 128, 30, 3, 64, 2
 BLOCK_BYTES = TOKENS_PER_BLOCK * NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES

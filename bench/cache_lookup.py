@@ -28,10 +28,10 @@ import _common  # noqa: F401  (puts the project on sys.path)
 import yaml
 from _common import ROOT, free_port, verdict
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.hashing import prompt_block_hashes
-from services.cache_pool.index import GlobalCacheIndex
-from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.hashing import prompt_block_hashes
+from services.cache_pool_client.index import GlobalCacheIndex
+from services.cache_pool_client.types import Block, GroupKind, KvCacheGroup, LookupQuery
 
 NUM_TOKENS = 128 * 1024
 CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16

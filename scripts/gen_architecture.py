@@ -29,9 +29,10 @@ def render_layers() -> str:
         joiner = "  |  " if len(siblings) > 1 else ""
         rows.append(f"  {joiner.join(siblings)}")
     rows.append("```")
-    rows.append("`a | b`: siblings of one layer, which must not import each other. Allowed exceptions "
-                "(the cache pool's client side):")
-    rows += [f"- `{rule}`" for rule in _lines(layers.get("ignore_imports", ""))]
+    exceptions = _lines(layers.get("ignore_imports", ""))
+    rows.append("`a | b`: siblings of one layer, which must not import each other. "
+                + ("Allowed exceptions:" if exceptions else "No exceptions."))
+    rows += [f"- `{rule}`" for rule in exceptions]
     others = [section for section in contracts.sections()
               if section.startswith("importlinter:contract:") and section != "importlinter:contract:layers"]
     rows.append("")

@@ -7,7 +7,7 @@ name their layout, only ever match their own.
 """
 from __future__ import annotations
 
-from services.cache_pool.types import has_layout, model_name
+from services.cache_pool_client.types import has_layout, model_name
 
 
 class LayoutNames:

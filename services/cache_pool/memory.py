@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from services.cache_pool.arena import footprint
-from services.cache_pool.types import BlockKey
+from services.cache_pool_client.arena import footprint
+from services.cache_pool_client.types import BlockKey
 
 
 class MemoryLru:

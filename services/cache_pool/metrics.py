@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from services.cache_pool.types import PoolStats
+from services.cache_pool_client.types import PoolStats
 
 disable_created_metrics()
 

@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from services.cache_pool.arena import ArenaBlock, footprint
+from services.cache_pool_client.arena import ArenaBlock, footprint
 from services.cache_pool.eviction import admits, lru_victims, prefix_budget_bytes
 from services.cache_pool.layouts import LayoutNames
 from services.cache_pool.memory import MemoryLru
 from services.cache_pool.slots import Arena, Lease, LeaseTable
 from services.cache_pool.ssd import SsdTier
-from services.cache_pool.types import (
+from services.cache_pool_client.types import (
     Block, BlockKey, BlockMissingError, LeaseExpiredError, LookupQuery, LookupResult, PoolFullError, PoolStats,
     PutResult, pieces_of,
 )

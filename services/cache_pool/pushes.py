@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.cache_pool.types import Block
+from services.cache_pool_client.types import Block
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
-from services.cache_pool import convert
-from services.cache_pool.inbox import TransferError, TransferInbox
+from services.cache_pool_client import convert
+from services.cache_pool_client.inbox import TransferError, TransferInbox
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.pool import CachePool
 from services.cache_pool.pushes import MAX_PENDING_PUSHES, Push, PushQueue, PushQueueFull
-from services.cache_pool.types import Block, BlockMissingError, LeaseExpiredError, PoolFullError, PoolStats
+from services.cache_pool_client.types import Block, BlockMissingError, LeaseExpiredError, PoolFullError, PoolStats
 from services.kv_transport import KVTransport, TransportSettings
 from services.security import GrpcSecurity, KnownPeers, Rejections
 

@@ -18,8 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.cache_pool.arena import PAGE, ArenaBlock, ArenaLayout, ArenaMapping, arena_name, remove_stale_arenas
-from services.cache_pool.types import BlockKey
+from services.cache_pool_client.arena import (PAGE, ArenaBlock, ArenaLayout, ArenaMapping, arena_name,
+                                             remove_stale_arenas)
+from services.cache_pool_client.types import BlockKey
 
 logger = logging.getLogger(__name__)
 

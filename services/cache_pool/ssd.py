@@ -16,7 +16,7 @@ from pathlib import Path
 import xxhash
 
 from services.cache_pool.eviction import admits, lru_victims
-from services.cache_pool.types import BlockKey
+from services.cache_pool_client.types import BlockKey
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.cache_pool.types import BlockKey, LookupQuery, LookupResult
+from services.cache_pool_client.types import BlockKey, LookupQuery, LookupResult
 
 Contains = Callable[[BlockKey], bool]
 

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from services.cache_pool.types import (Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult,
+from services.cache_pool_client.types import (Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult,
                                       group_ids, layout_key)
 
 
@@ -101,7 +101,7 @@ class PoolIO:
             self._loop.close()
 
     async def _new_client(self):
-        from services.cache_pool.client import CachePoolClient
+        from services.cache_pool_client.client import CachePoolClient
 
         return CachePoolClient(self.address, transport=self._transport, kv_host=self._kv_host,
                                security=self._security)

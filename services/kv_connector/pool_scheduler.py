@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.cache_pool.hashing import prompt_block_hashes
+from services.cache_pool_client.hashing import prompt_block_hashes
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel
 

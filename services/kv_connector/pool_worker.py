@@ -19,7 +19,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from services.cache_pool.types import Block, Pieces
+from services.cache_pool_client.types import Block, Pieces
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel

@@ -12,10 +12,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.cache_pool.hashing import prompt_block_hashes
-from services.cache_pool.index import GlobalCacheIndex
-from services.cache_pool.transfer import CrossClusterCopier
-from services.cache_pool.types import GroupKind, KvCacheGroup, LookupQuery
+from services.cache_pool_client.hashing import prompt_block_hashes
+from services.cache_pool_client.index import GlobalCacheIndex
+from services.cache_pool_client.transfer import CrossClusterCopier
+from services.cache_pool_client.types import GroupKind, KvCacheGroup, LookupQuery
 from services.config import DeploymentConfig
 from services.router.metrics import RouterMetrics
 from services.router.workers import WorkerPool
@@ -31,7 +31,7 @@ OFFLOAD_WINDOW = 100
 
 class CacheTransferIssuer(Protocol):
     """The hook for moving decided cross-cluster cache transfers (with cache pools:
-    ``services.cache_pool.transfer.CrossClusterCopier``). Called by :class:`Placement` on the
+    ``services.cache_pool_client.transfer.CrossClusterCopier``). Called by :class:`Placement` on the
     event loop right after the decision; must not block (start the copy in the background). The
     prefill may start before the copy lands: it then recomputes the missing blocks."""
 

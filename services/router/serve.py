@@ -7,7 +7,7 @@ import signal
 
 from aiohttp import web
 
-from services.cache_pool.index import GlobalCacheIndex
+from services.cache_pool_client.index import GlobalCacheIndex
 from services.config import DeploymentConfig
 from services.engine.args import resolve_model_path
 from services.router.admission import AdmissionControl, PrefillQueues

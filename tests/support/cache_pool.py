@@ -1,8 +1,8 @@
 """Factories for cache pool tests: prompts, their chained block hashes, blocks and lookup queries."""
 from __future__ import annotations
 
-from services.cache_pool.hashing import prompt_block_hashes
-from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery
+from services.cache_pool_client.hashing import prompt_block_hashes
+from services.cache_pool_client.types import Block, GroupKind, KvCacheGroup, LookupQuery
 
 MODEL = "tiny-qwen3-next/layout-1"
 BLOCK_SIZE = 4

@@ -6,12 +6,12 @@ import sys
 import pytest
 from support.cache_pool import MODEL, hashes, payload, prompt
 
-from services.cache_pool.arena import ArenaMapping
-from services.cache_pool.arena_client import ArenaView
+from services.cache_pool_client.arena import ArenaMapping
+from services.cache_pool_client.arena_client import ArenaView
 from services.cache_pool.pool import CachePool
 from services.cache_pool.slots import MIN_SLOT_BYTES, Arena
 from services.cache_pool.ssd import SsdTier
-from services.cache_pool.types import Block, LeaseExpiredError, Pieces, PoolFullError
+from services.cache_pool_client.types import Block, LeaseExpiredError, Pieces, PoolFullError
 
 SLOT = MIN_SLOT_BYTES
 ARENA_BYTES = 16 * SLOT + 8192  # header + generation table + 16 slots

@@ -21,8 +21,8 @@ from support.cache_pool import BLOCK_SIZE, MODEL, hashes, payload, prompt
 from support.pool_process import start_pool_process, stop, wait_serving, write_pool_config
 from support.ports import free_port
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import Block
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.types import Block
 from services.security import GrpcSecurity
 
 BLOCK_BYTES = 64 << 10
@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STALLING_CLIENT = """
 import asyncio, sys, time
 sys.path[:0] = [{root!r}, {tests!r}]
-from services.cache_pool.arena import ArenaMapping
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import Block
+from services.cache_pool_client.arena import ArenaMapping
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.types import Block
 from support.cache_pool import MODEL, hashes, payload, prompt
 
 write, written = ArenaMapping.write, []

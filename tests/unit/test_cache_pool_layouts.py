@@ -10,9 +10,9 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from services.cache_pool.hashing import prompt_block_hashes
+from services.cache_pool_client.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
-from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, layout_key, model_name
+from services.cache_pool_client.types import Block, GroupKind, KvCacheGroup, LookupQuery, layout_key, model_name
 from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolIO, PoolModel

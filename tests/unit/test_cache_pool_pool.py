@@ -5,11 +5,11 @@ from support.cache_pool import (
     BLOCK_SIZE, DENSE_GROUPS, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, payload, prompt, query,
 )
 
-from services.cache_pool.hashing import (
+from services.cache_pool_client.hashing import (
     ALGORITHMS, XXH3_NAMESPACE, hash_block_tokens, none_hash, prompt_block_hashes,
 )
 from services.cache_pool.pool import CachePool
-from services.cache_pool.types import Block, BlockMissingError, PoolFullError
+from services.cache_pool_client.types import Block, BlockMissingError, PoolFullError
 from services.cache_pool.usable import usable_prefix
 
 

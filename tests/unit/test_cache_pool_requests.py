@@ -2,7 +2,7 @@
 import pytest
 from prfaas.v1 import cache_pool_pb2 as pb
 
-from services.cache_pool import convert
+from services.cache_pool_client import convert
 
 FULL = pb.KvCacheGroup(group_id=0, kind=pb.GROUP_KIND_FULL_ATTENTION)
 

@@ -12,11 +12,11 @@ from support.cache_pool import BLOCK_SIZE, FULL, LINEAR, MODEL, hashes, payload,
 from support.pool_process import start_pool_process, stop, wait_serving, write_pool_config
 from support.ports import free_port, refused_address
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.index import GlobalCacheIndex
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.index import GlobalCacheIndex
 from services.cache_pool.pool import CachePool
 from services.security import GrpcSecurity
-from services.cache_pool.types import Block
+from services.cache_pool_client.types import Block
 from services.kv_transport import TransportSettings
 
 BUDGET_BYTES = 32 << 20

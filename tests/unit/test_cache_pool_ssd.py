@@ -6,7 +6,7 @@ from support.cache_pool import DENSE_GROUPS, MODEL, blocks, hashes, payload, pro
 
 from services.cache_pool.pool import CachePool
 from services.cache_pool.ssd import HEADER, SsdTier, encode_key
-from services.cache_pool.types import BlockMissingError
+from services.cache_pool_client.types import BlockMissingError
 
 
 def _file_size(block_hash: bytes, size: int = 100) -> int:

@@ -11,10 +11,10 @@ import pytest
 from support.cache_pool import BLOCK_SIZE, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, prompt, query
 from support.ports import refused_address
 
-from services.cache_pool.client import CachePoolClient
+from services.cache_pool_client.client import CachePoolClient
 from services.cache_pool.pool import CachePool
-from services.cache_pool.transfer import CrossClusterCopier
-from services.cache_pool.types import layout_key
+from services.cache_pool_client.transfer import CrossClusterCopier
+from services.cache_pool_client.types import layout_key
 from services.kv_transport import TransportSettings
 from services.scheduling.offload import CacheTransfer
 from services.security import KnownPeers

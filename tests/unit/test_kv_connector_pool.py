@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.cache_pool.hashing import prompt_block_hashes
+from services.cache_pool_client.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
 from services.cache_pool.slots import Arena
-from services.cache_pool.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
+from services.cache_pool_client.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
 from services.kv_connector.layouts.pages import KVLayout, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.params import consume

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.cache_pool.types import PoolStats
+from services.cache_pool_client.types import PoolStats
 from support.kustomize import deployments, render
 
 ROOT = Path(__file__).resolve().parents[2]

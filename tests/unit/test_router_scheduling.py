@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from services.cache_pool.types import LookupResult
+from services.cache_pool_client.types import LookupResult
 from services.config import parse_config
 from services.engine.types import GenerateInput, Sampling, WorkerStats
 from services.router.admission import AdmissionControl, PrefillQueues

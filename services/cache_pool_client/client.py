@@ -23,10 +23,10 @@ import grpc
 from prfaas.v1 import cache_pool_pb2 as pb
 from prfaas.v1 import cache_pool_pb2_grpc as pb_grpc
 
-from services.cache_pool import arena_client, convert
-from services.cache_pool.arena import ArenaMapping
-from services.cache_pool.inbox import TransferError, TransferInbox
-from services.cache_pool.types import (Block, BlockMissingError, LookupQuery, LookupResult, Pieces, PoolStats,
+from services.cache_pool_client import arena_client, convert
+from services.cache_pool_client.arena import ArenaMapping
+from services.cache_pool_client.inbox import TransferError, TransferInbox
+from services.cache_pool_client.types import (Block, BlockMissingError, LookupQuery, LookupResult, Pieces, PoolStats,
                                       PutResult)
 from services.kv_transport import KVTransport, TransportSettings
 from services.security import GrpcSecurity

@@ -19,9 +19,9 @@ import grpc
 import numpy as np
 from prfaas.v1 import cache_pool_pb2 as pb
 
-from services.cache_pool import convert
-from services.cache_pool.arena import ArenaBlock, ArenaLayout, ArenaMapping, as_array, copy_each, copy_runs
-from services.cache_pool.types import Block, BlockMissingError, PutResult, pieces_of
+from services.cache_pool_client import convert
+from services.cache_pool_client.arena import ArenaBlock, ArenaLayout, ArenaMapping, as_array, copy_each, copy_runs
+from services.cache_pool_client.types import Block, BlockMissingError, PutResult, pieces_of
 
 LEASE_MARGIN = 0.5  # stop copying once half the lease is gone: the rest is the commit's
 

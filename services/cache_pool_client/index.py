@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import grpc
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import LookupQuery, LookupResult
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.types import LookupQuery, LookupResult
 from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)

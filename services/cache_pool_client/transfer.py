@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import grpc
 
-from services.cache_pool.client import CachePoolClient
-from services.cache_pool.types import BlockMissingError, KvCacheGroup, LookupQuery
+from services.cache_pool_client.client import CachePoolClient
+from services.cache_pool_client.types import BlockMissingError, KvCacheGroup, LookupQuery
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prfaas.v1 import cache_pool_pb2 as pb
 
-from services.cache_pool.arena import ArenaBlock, ArenaLayout
-from services.cache_pool.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PoolStats
+from services.cache_pool_client.arena import ArenaBlock, ArenaLayout
+from services.cache_pool_client.types import Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PoolStats
 
 KIND_TO_PROTO = {
     GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,

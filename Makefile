@@ -29,7 +29,7 @@ lint: setup
 	.venv/bin/lint-imports --no-cache
 	.venv/bin/ruff check services tests bench scripts
 	.venv/bin/mypy services/scheduling services/kv_transport services/planner services/config \
-		services/engine/types.py services/kv_connector/params.py services/kv_connector/snapshot.py
+		services/worker_api/types.py services/kv_connector/params.py services/kv_connector/snapshot.py
 	.venv/bin/hadolint deploy/container/Containerfile deploy/container/Containerfile.cuda
 
 # Generated documentation: the configuration reference and the architecture's layer diagram.

@@ -7,7 +7,7 @@ import grpc
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
-from services.engine import convert
+from services.worker_api import convert
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
 from services.engine.servicers import PrefillWorkerServicer, stats_message

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from services.engine.types import EngineStats, GenerateInput, Sampling, TokenDelta
+from services.worker_api.types import EngineStats, GenerateInput, Sampling, TokenDelta
 from services.kv_connector.params import KvTransfer
 from services.kv_connector.stats_file import read_stats
 

@@ -10,7 +10,7 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.engine.types import GenerateInput
+from services.worker_api.types import GenerateInput
 from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
 from services.router.dispatch import Dispatcher, Plan, WorkerFailed

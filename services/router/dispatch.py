@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.config import RouterConfig
-from services.engine import convert
-from services.engine.types import GenerateInput, TokenDelta
+from services.worker_api import convert
+from services.worker_api.types import GenerateInput, TokenDelta
 from services.kv_connector.params import consume
 from services.router.admission import PrefillQueues
 from services.router.errors import ApiError, bad_request, unavailable

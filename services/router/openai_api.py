@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.engine.types import Sampling
+from services.worker_api.types import Sampling
 from services.router.errors import bad_request, model_not_found, unsupported
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.config import RouterConfig, WorkerConfig
-from services.engine import convert
-from services.engine.types import WorkerStats
+from services.worker_api import convert
+from services.worker_api.types import WorkerStats
 from services.router.layouts import Announcement, LayoutNegotiation
 from services.router.metrics import RouterMetrics
 from services.scheduling.backoff import Backoff, BackoffConfig

@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from services.engine.types import LinkStats, WorkerStats
+from services.worker_api.types import LinkStats, WorkerStats
 
 from services.scheduling.link_signals import LinkSignals
 from services.scheduling.congestion import CongestionAwareThreshold, CongestionControllerConfig, LinkSample

@@ -62,7 +62,7 @@ def test_a_request_vllm_refuses_is_a_value_error_the_servicers_answer_invalid_ar
     from vllm.exceptions import VLLMValidationError
 
     from services.engine.engine import Engine
-    from services.engine.types import GenerateInput, Sampling
+    from services.worker_api.types import GenerateInput, Sampling
 
     class Refusing:
         async def generate(self, prompt, params, request_id):

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from services.config import parse_config
-from services.engine.types import WorkerStats
+from services.worker_api.types import WorkerStats
 from services.kv_connector.layouts import mapping as layout_map
 from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
 from services.router import layouts

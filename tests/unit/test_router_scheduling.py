@@ -7,7 +7,7 @@ import pytest
 
 from services.cache_pool_client.types import LookupResult
 from services.config import parse_config
-from services.engine.types import GenerateInput, Sampling, WorkerStats
+from services.worker_api.types import GenerateInput, Sampling, WorkerStats
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError

@@ -13,7 +13,7 @@ from prfaas.v1 import worker_pb2 as wpb
 from prfaas.v1 import worker_pb2_grpc as wpb_grpc
 
 from services.config import parse_config
-from services.engine.types import GenerateInput, Sampling
+from services.worker_api.types import GenerateInput, Sampling
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
 from services.router.workers import STREAMS_RESERVED, WorkerPool

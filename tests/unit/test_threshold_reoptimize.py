@@ -3,7 +3,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from services.engine.types import LinkStats, WorkerStats
+from services.worker_api.types import LinkStats, WorkerStats
 
 from services.config import parse_config
 from services.router.admission import PrefillQueues
@@ -11,7 +11,7 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.threshold_control import ThresholdControl
-from services.engine.types import GenerateInput, Sampling
+from services.worker_api.types import GenerateInput, Sampling
 
 LENGTHS = (100, 200, 300, 400)
 KV_BYTES_PER_TOKEN = 10_000

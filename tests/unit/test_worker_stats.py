@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import msgspec
 
-from services.engine import convert
+from services.worker_api import convert
 from services.engine.serve import WorkerIdentity
 from services.engine.servicers import stats_message
-from services.engine.types import EngineStats, LinkStats
+from services.worker_api.types import EngineStats, LinkStats
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats
 from services.kv_transport import PROTOCOL_VERSION, PeerSnapshot, TransportSnapshot

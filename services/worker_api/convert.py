@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.engine.types import EngineStats, GenerateInput, LinkStats, Sampling, TokenDelta, WorkerStats
+from services.worker_api.types import EngineStats, GenerateInput, LinkStats, Sampling, TokenDelta, WorkerStats
 from services.kv_connector.params import consume, produce
 from services.kv_connector.snapshot import ConnectorSnapshot
 from services.kv_transport import PeerSnapshot

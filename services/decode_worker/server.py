@@ -1,4 +1,6 @@
-"""gRPC servicer of the decode worker: converts protobuf and calls the engine."""
+"""The decode (PD) worker's gRPC services: DecodeWorker, and PrefillWorker for the router's prefills
+(the call itself is the workers' shared runtime, services/engine/worker_rpc.py). Converts protobuf and
+calls the engine."""
 from __future__ import annotations
 
 import logging
@@ -7,11 +9,11 @@ import grpc
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
-from services.worker_api import convert
+from services.engine import worker_rpc
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
-from services.engine.servicers import PrefillWorkerServicer, stats_message
 from services.logs import bind_request_id
+from services.worker_api import convert
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,22 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             await stream.aclose()
 
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return stats_message(self._engine, self._identity, self._guard)
+        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
+
+
+class PdPrefillServicer(pb_grpc.PrefillWorkerServicer):
+    """The PrefillWorker API of a PD worker, for the prefills the router sends to a prefill role."""
+
+    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
+        self._engine = engine
+        self._identity = identity
+        self._guard = guard
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        return await worker_rpc.prefill(self._engine, self._guard, request, context)
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:
@@ -47,5 +64,5 @@ def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Serv
     is ``kv_both``, so the router can flip a local PD worker between prefill and decode at run time
     (``scheduler.role_flips``) without telling the worker; it sends prefills only to prefill roles."""
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(engine, identity, guard), server)
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(engine, identity, guard), server)
+    pb_grpc.add_PrefillWorkerServicer_to_server(PdPrefillServicer(engine, identity, guard), server)
     return pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

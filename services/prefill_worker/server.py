@@ -1,13 +1,27 @@
-"""The PrfaaS prefill worker's gRPC service: PrefillWorker only (services/engine/servicers.py)."""
+"""The PrfaaS prefill worker's gRPC service: PrefillWorker only. The call itself is the workers'
+shared runtime (services/engine/worker_rpc.py), which a PD worker serves too."""
 from __future__ import annotations
 
 import grpc
 from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
+from services.engine import worker_rpc
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
-from services.engine.servicers import PrefillWorkerServicer
+
+
+class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
+        self._engine = engine
+        self._identity = identity
+        self._guard = guard
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        return await worker_rpc.prefill(self._engine, self._guard, request, context)
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

@@ -7,7 +7,7 @@ import msgspec
 
 from services.worker_api import convert
 from services.engine.serve import WorkerIdentity
-from services.engine.servicers import stats_message
+from services.engine.worker_rpc import stats_message
 from services.worker_api.types import EngineStats, LinkStats
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats import ConnectorStats

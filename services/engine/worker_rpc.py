@@ -1,0 +1,65 @@
+"""What every worker answers, whatever its service: a Prefill call (a PrfaaS prefill worker serves
+it, and so does a PD worker, which the router may flip to prefill) and the stats message both
+services answer ``GetStats`` with. Converts protobuf and calls the engine; each service's servicer
+(services/prefill_worker/server.py, services/decode_worker/server.py) delegates here."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+from prfaas.v1 import worker_pb2 as pb
+
+from services.engine.engine import Engine
+from services.engine.serve import CallerGuard, WorkerIdentity
+from services.kv_transport import PROTOCOL_VERSION as KV_PROTOCOL_VERSION
+from services.logs import bind_request_id
+from services.worker_api import convert
+
+logger = logging.getLogger(__name__)
+
+
+async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+    """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
+    worker KV port of the deployment (PERMISSION_DENIED otherwise, before anything is dialled).
+    Returns when the prefill is done."""
+    bind_request_id(request.request_id)
+    if not request.prompt_token_ids:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+    tp_size = max(1, request.kv_target_tp_size)
+    if request.kv_target and (why := guard.kv_targets.refusal(request.kv_target, tp_size)) is not None:
+        guard.rejections.count("unknown_peer")
+        logger.warning("request %s: refused Prefill from %s: %s", request.request_id, context.peer(), why)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+    started = time.perf_counter()
+    prefill_input = convert.prefill_input_from_proto(request)
+    last = None
+    stream = engine.generate(prefill_input)
+    try:
+        async for delta in stream:
+            last = delta
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    finally:
+        await stream.aclose()  # a cancelled call aborts the prefill in the engine
+    elapsed = time.perf_counter() - started
+    logger.debug("request %s: prefilled %d tokens in %.3f s", request.request_id, last.num_prompt_tokens, elapsed)
+    return pb.PrefillResponse(
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        prefill_seconds=elapsed,
+    )
+
+
+def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> pb.WorkerStats:
+    return convert.stats_to_proto(
+        engine.stats(),
+        worker_name=identity.worker_name,
+        service=identity.service,
+        role=identity.role,
+        model=identity.model,
+        max_model_len=engine.max_model_len if engine.started else 0,
+        grpc_rejected=guard.rejections.snapshot(),
+        layout_spec=engine.layout_spec,
+        kv_protocol_version=KV_PROTOCOL_VERSION,
+    )

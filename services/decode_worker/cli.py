@@ -3,16 +3,14 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from services.engine.command import add_worker_arguments
+    from services.engine.command import add_worker_command
 
-    parser = subparsers.add_parser(
-        "decode-worker",
+    add_worker_command(
+        subparsers, "decode-worker",
         help="run a local PD-cluster worker (vLLM engine; role prefill, decode or both)",
         description="Run one decode worker from the deployment config: a vLLM engine behind the "
         "DecodeWorker gRPC service (proto/prfaas/v1/worker.proto) and gRPC health checking.",
-    )
-    add_worker_arguments(parser)
-    parser.set_defaults(func=_run)
+        run=_run)
 
 
 def _run(args) -> int:

@@ -15,6 +15,13 @@ from services.security.exposure import worker_listeners
 logger = logging.getLogger(__name__)
 
 
+def add_worker_command(subparsers, command: str, help: str, description: str, run) -> None:
+    """A worker service's subcommand: its arguments are the same for every worker service."""
+    parser = subparsers.add_parser(command, help=help, description=description)
+    add_worker_arguments(parser)
+    parser.set_defaults(func=run)
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="deployment YAML file (see deploy/local.yaml)")
     parser.add_argument("--name", required=True, help="which entry of `workers:` in the config to run")

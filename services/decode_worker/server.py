@@ -18,12 +18,7 @@ from services.worker_api import convert
 logger = logging.getLogger(__name__)
 
 
-class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
-        self._engine = engine
-        self._identity = identity
-        self._guard = guard
-
+class DecodeWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.DecodeWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Streams the request's output; a cancelled call aborts it in the engine."""
         bind_request_id(request.request_id)
@@ -40,23 +35,12 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         finally:
             await stream.aclose()
 
-    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
 
-
-class PdPrefillServicer(pb_grpc.PrefillWorkerServicer):
+class PdPrefillServicer(worker_rpc.WorkerServicer, pb_grpc.PrefillWorkerServicer):
     """The PrefillWorker API of a PD worker, for the prefills the router sends to a prefill role."""
-
-    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
-        self._engine = engine
-        self._identity = identity
-        self._guard = guard
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         return await worker_rpc.prefill(self._engine, self._guard, request, context)
-
-    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

@@ -19,6 +19,18 @@ from services.worker_api import convert
 logger = logging.getLogger(__name__)
 
 
+class WorkerServicer:
+    """What every servicer of a worker holds, and its ``GetStats`` (both worker APIs have it)."""
+
+    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
+        self._engine = engine
+        self._identity = identity
+        self._guard = guard
+
+    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return stats_message(self._engine, self._identity, self._guard)
+
+
 async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
     """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
     worker KV port of the deployment (PERMISSION_DENIED otherwise, before anything is dialled).

@@ -11,17 +11,9 @@ from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
 
 
-class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> None:
-        self._engine = engine
-        self._identity = identity
-        self._guard = guard
-
+class PrefillWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         return await worker_rpc.prefill(self._engine, self._guard, request, context)
-
-    async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return worker_rpc.stats_message(self._engine, self._identity, self._guard)
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.procs import process_alive
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PRFAREN1"
@@ -235,7 +237,7 @@ def remove_stale_arenas(directory: str, pool_name: str) -> None:
     for entry in os.scandir(directory):
         if entry.name.startswith(prefix):
             pid = entry.name[len(prefix):].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not process_alive(int(pid)):
                 logger.warning("removing the arena %s of a cache pool that did not stop cleanly", entry.path)
                 _unlink(entry.path)
 
@@ -251,16 +253,6 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: str) -> None:

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.engine.shm_ledger import process_alive
+from services.procs import process_alive
 
 logger = logging.getLogger(__name__)
 

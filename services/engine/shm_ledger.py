@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from services.models.cache import cache_dir
+from services.procs import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +120,3 @@ def _in_shm_dir(path: str) -> bool:
             and not os.path.islink(path))
 
 
-def process_alive(pid: int) -> bool:
-    """A process ``pid`` exists (ours or not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -55,11 +55,10 @@ def group_ids(groups: tuple[KvCacheGroup, ...], kind: GroupKind) -> tuple[int, .
     return tuple(g.group_id for g in groups if g.kind is kind)
 
 
-@dataclass(frozen=True, slots=True)
-class LookupQuery:
-    model: str
-    block_size: int
-    block_hashes: tuple[bytes, ...]
+class GroupIds:
+    """The group ids of each kind, for a class with a ``groups`` tuple of ``KvCacheGroup``."""
+
+    __slots__ = ()
     groups: tuple[KvCacheGroup, ...]
 
     @property
@@ -69,6 +68,14 @@ class LookupQuery:
     @property
     def linear_group_ids(self) -> tuple[int, ...]:
         return group_ids(self.groups, GroupKind.LINEAR_ATTENTION)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupQuery(GroupIds):
+    model: str
+    block_size: int
+    block_hashes: tuple[bytes, ...]
+    groups: tuple[KvCacheGroup, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,23 +14,15 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from services.cache_pool_client.types import (Block, GroupKind, KvCacheGroup, LookupQuery, LookupResult, PutResult,
-                                      group_ids, layout_key)
+from services.cache_pool_client.types import (Block, GroupIds, GroupKind, KvCacheGroup, LookupQuery, LookupResult,
+                                             PutResult, layout_key)
 
 
 @dataclass(frozen=True, slots=True)
-class PoolModel:
+class PoolModel(GroupIds):
     model: str
     block_size: int
     groups: tuple[KvCacheGroup, ...]
-
-    @property
-    def full_group_ids(self) -> tuple[int, ...]:
-        return group_ids(self.groups, GroupKind.FULL_ATTENTION)
-
-    @property
-    def linear_group_ids(self) -> tuple[int, ...]:
-        return group_ids(self.groups, GroupKind.LINEAR_ATTENTION)
 
     def query(self, block_hashes: tuple[bytes, ...]) -> LookupQuery:
         return LookupQuery(self.model, self.block_size, block_hashes, self.groups)

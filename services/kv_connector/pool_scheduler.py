@@ -22,6 +22,7 @@ from typing import Any
 from services.cache_pool_client.hashing import prompt_block_hashes
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool_io import PoolModel
+from services.kv_connector.scheduled import Scheduled
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +98,16 @@ class PoolPlanner:
         logger.debug("request %s: loading prompt tokens [%d, %d) from the cache pool", request.request_id,
                      first_token, num_blocks * self.model.block_size)
 
-    def add_to_meta(self, meta: PrfaasConnectorMetadata, scheduler_output: Any) -> None:
+    def add_to_meta(self, meta: PrfaasConnectorMetadata) -> None:
+        """The loads planned and abandoned since the last step."""
         meta.pool_loads, meta.pool_abandoned = self._loads, self._abandoned
         self._loads, self._abandoned = [], []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            if prompt := self._prompts.get(new.req_id):
-                prompt.block_ids = [list(ids) for ids in new.block_ids]
-                self._store(meta, new.req_id, prompt, new.num_computed_tokens, scheduled[new.req_id])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if prompt := self._prompts.get(req_id):
-                merge_block_ids(prompt.block_ids, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
-                self._store(meta, req_id, prompt, cached.num_computed_tokens[i], scheduled[req_id])
+
+    def on_scheduled(self, meta: PrfaasConnectorMetadata, step: Scheduled) -> None:
+        """Stores what a scheduled prompt computes in this step."""
+        if prompt := self._prompts.get(step.req_id):
+            step.update(prompt.block_ids)
+            self._store(meta, step.req_id, prompt, step.num_computed_tokens, step.num_scheduled_tokens)
 
     def on_loads_finished(self, finished: set[str], failed: set[str]) -> None:
         """A failed load is recomputed from the first token, so its blocks are stored again."""
@@ -149,15 +147,3 @@ class PoolPlanner:
         if blocks or state_hash:
             block_ids = tuple(tuple(ids) for ids in prompt.block_ids)
             meta.pool_stores.append(PoolStoreSpec(req_id, block_ids, blocks, state_hash, end))
-
-
-def merge_block_ids(block_ids: list[list[int]], new_block_ids, resumed: bool) -> None:
-    """A step's new block ids per KV-cache group, added to a request's (replacing them when vLLM
-    resumed the request after preemption). Used by both scheduler halves of the connector."""
-    if new_block_ids is None:
-        return
-    if resumed:
-        block_ids[:] = [list(ids) for ids in new_block_ids]
-        return
-    for group, ids in enumerate(new_block_ids):
-        block_ids[group].extend(ids)

@@ -16,7 +16,8 @@ from typing import Any
 
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.params import KvTransfer
-from services.kv_connector.pool_scheduler import PoolPlanner, merge_block_ids
+from services.kv_connector.pool_scheduler import PoolPlanner
+from services.kv_connector.scheduled import scheduled_requests
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +81,14 @@ class PrfaasConnectorScheduler:
         meta = PrfaasConnectorMetadata(recvs=self._recvs, abandoned=self._abandoned,
                                        idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._recvs, self._abandoned = [], []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            if producing := self._producing.get(new.req_id):
-                producing.block_ids = [list(ids) for ids in new.block_ids]
-                self._emit(meta, new.req_id, producing, new.num_computed_tokens, scheduled[new.req_id])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if producing := self._producing.get(req_id):
-                merge_block_ids(producing.block_ids, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
-                self._emit(meta, req_id, producing, cached.num_computed_tokens[i], scheduled[req_id])
         if self._pool is not None:
-            self._pool.add_to_meta(meta, scheduler_output)
+            self._pool.add_to_meta(meta)
+        for step in scheduled_requests(scheduler_output):
+            if producing := self._producing.get(step.req_id):
+                step.update(producing.block_ids)
+                self._emit(meta, step.req_id, producing, step.num_computed_tokens, step.num_scheduled_tokens)
+            if self._pool is not None:
+                self._pool.on_scheduled(meta, step)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

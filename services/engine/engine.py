@@ -77,8 +77,6 @@ class Engine:
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        from services.kv_connector.snapshot import ConnectorSnapshot
-
         stats = self._stats
 
         class _Recorder(StatLoggerBase):
@@ -90,8 +88,6 @@ class Engine:
                     stats.num_running_requests = scheduler_stats.num_running_reqs
                     stats.num_waiting_requests = scheduler_stats.num_waiting_reqs
                     stats.kv_cache_usage = scheduler_stats.kv_cache_usage
-                    if scheduler_stats.kv_connector_stats:
-                        stats.kv_connector = ConnectorSnapshot.from_dict(scheduler_stats.kv_connector_stats)
                 if iteration_stats is not None:
                     stats.num_finished_requests += len(iteration_stats.finished_requests)
 

@@ -24,7 +24,6 @@ from services.kv_connector.pool_worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
-from services.kv_connector.stats import ConnectorStats
 from services.kv_connector.stats_file import StatsPublisher, rank_path
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
 from services.kv_connector.layouts.spec import LayoutSpec
@@ -56,7 +55,6 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.pool_worker = PoolWorker(*pool) if pool else None
             self._tp_rank = tp_rank
         self.publisher: StatsPublisher | None = None
-        self._exported_pool_counters = PoolCounters()
 
     # Scheduler side (engine-core process) ------------------------------------------------------
 
@@ -129,22 +127,6 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
-
-    def get_kv_connector_stats(self) -> ConnectorStats | None:
-        """Transport telemetry once per interval; at once when the pool counters changed. None when
-        the publisher writes it (the front end reads its files instead)."""
-        if self.worker is None or self.publisher is not None:
-            return None
-        counters = self.pool_worker.counters() if self.pool_worker is not None else PoolCounters()
-        transport = self.worker.transport_snapshot(force=counters != self._exported_pool_counters)
-        if transport is None:
-            return None
-        self._exported_pool_counters = counters
-        return ConnectorStats.of(ConnectorSnapshot(transport, counters))
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
-        return ConnectorStats(data=dict(data or {}))
 
     def _snapshot(self) -> ConnectorSnapshot:
         streams = self.worker.streams

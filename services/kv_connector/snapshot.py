@@ -1,9 +1,9 @@
 """What the worker-side connector reports to the engine: the transport's telemetry and the cache
 pool counters, as frozen dataclasses.
 
-vLLM carries connector stats from the worker process to the engine front end as a plain dict
-(``KVConnectorStats.data``, msgpack-encoded); ``ConnectorSnapshot.as_dict``/``from_dict`` are the
-one place that dict is written and read.
+Each TP rank's connector writes its snapshot to a file the worker's front end reads
+(``stats_file``); ``ConnectorSnapshot.as_dict``/``from_dict`` are the one place that dict is written
+and read.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """Connector telemetry that does not wait for the engine to step.
 
-vLLM carries connector stats only on engine steps (``stats.py``). A prefill engine frees a request's
-blocks once the send has copied them, then idles while the KV is still on the wire, so a link that
-slows down, drops packets or queues reports nothing until the next prompt: in the chaos benchmark a
-10x bandwidth cut went unseen for its whole minute. So each TP rank's worker-side connector also
-writes its snapshot (``ConnectorSnapshot.as_dict()``, JSON) to ``connector-<rank>.json`` in the
-worker's private directory (``services.engine.ipc_dir``, mode 0700) from a thread of its own, every
-``PUBLISH_S`` while it changes; the worker's front end reads and sums the ranks' files when asked
-for stats. A file is replaced whole (written beside it, then renamed), so a reader never sees half
-of one.
+vLLM's own connector-stats channel carries stats only on engine steps. A prefill engine frees a
+request's blocks once the send has copied them, then idles while the KV is still on the wire, so a
+link that slows down, drops packets or queues would report nothing until the next prompt: in the
+chaos benchmark a 10x bandwidth cut went unseen for its whole minute. So the connector does not use
+that channel: each TP rank's worker-side connector writes its snapshot (``ConnectorSnapshot.as_dict()``,
+JSON) to ``connector-<rank>.json`` in the worker's private directory (``services.engine.ipc_dir``,
+mode 0700) from a thread of its own, every ``PUBLISH_S`` while it changes; the worker's front end
+reads and sums the ranks' files when asked for stats. A file is replaced whole (written beside it,
+then renamed), so a reader never sees half of one.
 """
 from __future__ import annotations
 

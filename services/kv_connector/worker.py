@@ -23,7 +23,6 @@ from services.kv_connector.layouts.apply import attention_view, slice_attention,
 from services.kv_connector.layouts.spec import Layer, LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.layouts.reblock import Reblocker, ReblockPlans, announcement
-from services.kv_connector.stats import INTERVAL_S
 from services.kv_connector.layouts.tp_routes import (
     Route,
     expected_wire_ids,
@@ -34,7 +33,7 @@ from services.kv_connector.layouts.tp_routes import (
     via_of,
     wire_id,
 )
-from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSnapshot
+from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +102,6 @@ class PrfaasConnectorWorker:
         self._receiving: dict[str, _Receiving] = {}
         self._released: set[str] = set()  # aborted while receiving: vLLM frees their blocks once told
         self._forgotten: OrderedDict[str, None] = OrderedDict()
-        self._next_stats = 0.0
         self.forwarder = Forwarder()  # sends to sibling ranks that replicate what this rank receives
 
     def register_kv_caches(self, layout: KVLayout, spec: LayoutSpec | None = None) -> None:
@@ -402,10 +400,6 @@ class PrfaasConnectorWorker:
                 finished.add(receiving.spec.req_id)
                 del self._receiving[transfer_id]
                 logger.debug("request %s: KV received", transfer_id)
-        if finished or failed_req_ids:
-            # the counters of a transfer that ended go out with this step: the engine may go idle
-            # after it, and an idle engine takes no step that would carry them
-            self._next_stats = 0.0
         return TransferResults(finished, failed_req_ids)
 
     def _forget(self, transfer_id: str, reason: str) -> None:
@@ -423,14 +417,6 @@ class PrfaasConnectorWorker:
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
-
-    def transport_snapshot(self, force: bool = False) -> TransportSnapshot | None:
-        """The transport's telemetry, at most once per ``INTERVAL_S`` unless forced (called after every forward)."""
-        now = time.monotonic()
-        if self.streams is None or (now < self._next_stats and not force):
-            return None
-        self._next_stats = now + INTERVAL_S
-        return self.streams.snapshot()
 
     @property
     def num_receiving(self) -> int:

@@ -277,19 +277,6 @@ def test_one_kv_head_on_every_rank_is_mapped_though_the_ranks_pages_look_alike()
     assert ReblockPlans(layout, spec).plan(_attention_only(2, 0, kv_heads=1)[2]) is None  # same TP: pages as they are
 
 
-def test_the_counters_of_a_finished_transfer_go_out_with_the_step_that_finished_it():
-    """Telemetry goes out at most once per interval; a transfer that ended must not wait for the next
-    one, since an engine that goes idle takes no step to carry it (regression: a decode worker's stats
-    showed no KV bytes received after a streamed request completed)."""
-    producer = _rank(1, 0, 32, fill=True)
-    consumer = _rank(1, 0, 32, fill=False)
-    blocks = _blocks(32, 4)
-    assert consumer.transport_snapshot() == "telemetry" and consumer.transport_snapshot() is None
-    _prefill([producer], blocks, 1)
-    assert _deliver([producer], [consumer], blocks)[0].finished_recving == {"r"}
-    assert consumer.transport_snapshot() == "telemetry"
-
-
 def _fed_consumers(producer, blocks: list[int]):
     """TP 4 consumer ranks, with the producer's frames to rank 1 waiting in its receiver: rank 1 receives
     KV head 0 and passes it on to rank 0, which replicates it."""

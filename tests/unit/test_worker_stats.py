@@ -3,14 +3,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import msgspec
-
 from services.worker_api import convert
 from services.engine.serve import WorkerIdentity
 from services.engine.worker_rpc import stats_message
 from services.worker_api.types import EngineStats, LinkStats
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
-from services.kv_connector.stats import ConnectorStats
 from services.kv_transport import PROTOCOL_VERSION, PeerSnapshot, TransportSnapshot
 
 SNAPSHOT = ConnectorSnapshot(
@@ -19,13 +16,6 @@ SNAPSHOT = ConnectorSnapshot(
                                           delivery_rate_bps=9_000_000_000, rtt_us=1500, cwnd_segments=40),),
                       bytes_received=100, frames_rejected=2, connections_refused=1),
     PoolCounters(tokens_loaded=64, tokens_stored=128, loads_failed=1, stores_failed=2))
-
-
-def test_a_connector_snapshot_crosses_vllms_stats_channel_as_a_plain_dict():
-    """vLLM msgpack-encodes ``KVConnectorStats.data`` to the engine front end, which sees a dict."""
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(ConnectorStats.of(SNAPSHOT).to_dict()))
-    assert ConnectorSnapshot.from_dict(wire) == SNAPSHOT
-    assert ConnectorSnapshot.from_dict({}) == ConnectorSnapshot()
 
 
 def test_the_stats_rpc_carries_every_transport_and_pool_figure():

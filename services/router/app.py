@@ -13,13 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.worker_api.types import GenerateInput
 from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
-from services.router.dispatch import Dispatcher, Plan, WorkerFailed
-from services.router.errors import ApiError, bad_request, invalid_api_key
+from services.router.dispatch import Dispatcher, NoWorkerAvailable, Plan
+from services.router.errors import ApiError, bad_request, invalid_api_key, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import ApiRequest, parse_request, with_max_tokens
 from services.router.responses import ResponseShape, Usage
 from services.router.tokenizer import PromptTokenizer
-from services.router.workers import WorkerPool
+from services.router.workers import WorkerError, WorkerFailed, WorkerPool, WorkerRejected
 from services.scheduling.admission import QosClass
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class RouterApp:
             return _error_response(self._too_large())
         except ApiError as exc:
             return _error_response(exc)
+        except (NoWorkerAvailable, WorkerRejected, WorkerError) as exc:
+            return _error_response(_dispatch_error(exc))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -233,6 +235,15 @@ async def _json_body(request: web.Request):
 
 async def _send(response: web.StreamResponse, body: dict) -> None:
     await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+
+def _dispatch_error(exc: Exception) -> ApiError:
+    """What a client sees of a request the workers could not start."""
+    if isinstance(exc, WorkerRejected):
+        return bad_request(str(exc))
+    if isinstance(exc, WorkerError):
+        return ApiError(500, str(exc), type="server_error")
+    return unavailable(str(exc))
 
 
 def _error_response(exc: ApiError) -> web.Response:

@@ -42,8 +42,10 @@ class Placement:
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
                  index: GlobalCacheIndex | None = None, transfers: CacheTransferIssuer | None = None,
                  threshold: OffloadThreshold | None = None) -> None:
-        """``threshold``: the offload threshold's owner (the router's controller), whose base tells
-        scarce bandwidth from abundant; a fixed one at ``scheduler.offload_threshold_tokens`` if None."""
+        """``threshold``: the offload threshold's one owner (the router's controller), whose value
+        routes and whose base tells scarce bandwidth from abundant; a fixed one at
+        ``scheduler.offload_threshold_tokens`` if None. Without ``index`` (no cache pools) nothing is
+        known to be cached in any cluster."""
         scheduler = config.scheduler
         self._threshold = threshold or FixedThreshold(scheduler.offload_threshold_tokens)
         self.block_size = scheduler.cache_block_size
@@ -87,8 +89,15 @@ class Placement:
         worker_tokens = self.affinity.cached_tokens(workers, block_hashes, self.block_size)
         return PromptCache(len(token_ids), cluster_tokens, worker_tokens), block_hashes
 
-    def route(self, request_id: str, cache: PromptCache, block_hashes: Sequence[bytes], threshold_tokens: float,
+    @property
+    def threshold_tokens(self) -> float:
+        """The offload threshold now, read from its one owner."""
+        return self._threshold.threshold_tokens
+
+    def route(self, request_id: str, cache: PromptCache, block_hashes: Sequence[bytes],
               exclude: frozenset[str] = frozenset()) -> Route | None:
+        """Where the request goes (None: no worker can take it), logged and counted once here."""
+        threshold_tokens = self.threshold_tokens
         scarce = bandwidth_scarce(threshold_tokens, self._threshold.base_tokens)
         route = self._pool.route(cache.num_prompt_tokens, threshold_tokens, exclude, cache=cache, scarce=scarce)
         if route is None:

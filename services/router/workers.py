@@ -1,11 +1,17 @@
 """The router's view of its workers: gRPC channels, health and stats polling, in-flight counts,
-back-off of failing workers and the run-time role of local PD workers (flipped by ``RoleControl``)."""
+back-off of failing workers and the run-time role of local PD workers (flipped by ``RoleControl``).
+
+The one owner of a ``WorkerHandle``'s fields: a request takes a worker with ``WorkerPool.lease``
+(counted in its load, then one of its gRPC streams and, for a hand-off, one of its hand-off slots)
+and calls it through ``WorkerPool.generate`` / ``WorkerPool.prefill``, which apply the deadlines and
+the retry rule and translate gRPC's errors into this module's exceptions; nothing above this module
+sees gRPC."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,17 +19,45 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.config import RouterConfig, WorkerConfig
-from services.worker_api import convert
-from services.worker_api.types import WorkerStats
 from services.router.layouts import Announcement, LayoutNegotiation
 from services.router.metrics import RouterMetrics
 from services.scheduling.backoff import Backoff, BackoffConfig
 from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.security import GrpcSecurity
+from services.worker_api import convert
+from services.worker_api.types import GenerateInput, TokenDelta, WorkerStats
 
 logger = logging.getLogger(__name__)
 
 STREAMS_RESERVED = 8  # of a worker's gRPC stream limit, kept for health, stats and cache lookups
+# Failures before a worker's first output that another worker may not have: the request moves on.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.CANCELLED}
+# A hand-off not yet answered is prefilled locally once its prefill worker leaves this many polls in a
+# row unanswered: one missed poll can be a busy moment, two (at least one stats interval plus the
+# poll's timeout apart) are a hang or a dead link.
+UNANSWERED_POLLS = 2
+
+
+class WorkerUnavailable(Exception):
+    """A call failed before the worker's first output in a way another worker may not: unreachable,
+    a retryable status, or no first token in time. The worker is backed off already."""
+
+
+class WorkerRejected(Exception):
+    """The worker refused the request itself (INVALID_ARGUMENT); the message says why."""
+
+
+class WorkerError(Exception):
+    """The worker failed the call before its first output in a way another worker would not fix."""
+
+
+class WorkerFailed(Exception):
+    """A worker failed after it had already streamed output (the request cannot be moved)."""
+
+
+class PrefillFailed(Exception):
+    """A hand-off's prefill worker failed, or stopped being usable, before the request's KV came."""
 
 
 @dataclass(slots=True)
@@ -102,6 +136,132 @@ class WorkerHandle:
         )
 
 
+class Lease:
+    """One request's hold on a worker: counted in its load (``num_in_flight`` and the committed
+    tokens) from creation, holding one of its request streams after ``acquire_stream`` and one of its
+    hand-off slots after ``WorkerPool.acquire_handoff``, until ``release`` (later calls do nothing)."""
+
+    __slots__ = ("handle", "_num_committed_tokens", "_stream", "_handoff", "_released")
+
+    def __init__(self, handle: WorkerHandle, num_committed_tokens: int) -> None:
+        self.handle = handle
+        self._num_committed_tokens = num_committed_tokens
+        self._stream = False
+        self._handoff: asyncio.Semaphore | None = None
+        self._released = False
+        handle.num_in_flight += 1
+        handle.num_committed_tokens += num_committed_tokens
+
+    async def acquire_stream(self) -> None:
+        """Waits for a stream below the worker's limit (see ``WorkerHandle.streams``)."""
+        await self.handle.streams.acquire()
+        self._stream = True
+
+    def release_handoff(self) -> None:
+        """The hand-off slot goes back once, by whichever comes first: the decode worker's first
+        token, or the end of the prefill call."""
+        if self._handoff is not None:
+            slots, self._handoff = self._handoff, None
+            slots.release()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.release_handoff()
+        if self._stream:
+            self.handle.streams.release()
+        self.handle.num_in_flight -= 1
+        self.handle.num_committed_tokens -= self._num_committed_tokens
+
+
+class GenerateCall:
+    """A Generate stream on one worker; its gRPC errors become this module's exceptions here."""
+
+    def __init__(self, pool: "WorkerPool", handle: WorkerHandle, call, request_id: str) -> None:
+        self._pool = pool
+        self._handle = handle
+        self._call = call
+        self._request_id = request_id
+
+    def cancel(self) -> None:
+        """Cancels the call, which aborts the request on the worker."""
+        self._call.cancel()
+
+    async def first(self, prefill: "PrefillCall | None" = None) -> TokenDelta:
+        """The first delta, within ``first_token_timeout_s``. With ``prefill`` (a hand-off), raises
+        PrefillFailed when the prefill fails first. Raises WorkerUnavailable (the worker is backed
+        off and the call cancelled), WorkerRejected or WorkerError."""
+        config = self._pool.config
+        read = asyncio.ensure_future(self._call.read())
+        try:
+            async with asyncio.timeout(config.first_token_timeout_s):
+                if prefill is not None:
+                    await prefill.wait_unless_first(read, self._request_id, config.stats_interval_s)
+                message = await read
+            if message is grpc.aio.EOF:
+                raise WorkerError(f"worker {self._handle.name} ended the request without output")
+            self._pool.mark_reachable(self._handle)
+            return convert.delta_from_proto(message)
+        except TimeoutError:
+            logger.warning("request %s: worker %s gave no first token in %.0f s", self._request_id,
+                           self._handle.name, config.first_token_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise WorkerRejected(exc.details()) from None
+            if exc.code() not in RETRYABLE:
+                raise WorkerError(f"worker error: {exc.details()}") from None
+            logger.warning("request %s: worker %s failed before the first token: %s", self._request_id,
+                           self._handle.name, exc.code().name)
+        finally:
+            read.cancel()
+        self.cancel()
+        self._pool.mark_unreachable(self._handle)
+        self._pool.metrics.worker_retries.inc()
+        raise WorkerUnavailable(self._handle.name)
+
+    async def rest(self) -> AsyncIterator[TokenDelta]:
+        """The deltas after the first; raises WorkerFailed when the worker fails meanwhile."""
+        try:
+            while (message := await self._call.read()) is not grpc.aio.EOF:
+                yield convert.delta_from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerFailed(f"worker {self._handle.name} failed mid-request: {exc.code().name}") from None
+        finally:
+            self._call.cancel()
+
+
+class PrefillCall:
+    """A hand-off's Prefill call on a prefill worker, which owns the worker's lease until it ends."""
+
+    def __init__(self, call, task: asyncio.Future, handle: WorkerHandle) -> None:
+        self._call = call
+        self._task = task
+        self._handle = handle
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def wait_unless_first(self, read: asyncio.Future, request_id: str, poll_interval_s: float) -> None:
+        """Return once the first token is there or the prefill succeeded; raise PrefillFailed when the
+        prefill failed, or when its worker stopped answering the router's polls (``UNANSWERED_POLLS`` in
+        a row: a hung process or a dead link, whose call would only end at its timeout) before either."""
+        task, name = self._task, self._handle.name
+        while True:
+            await asyncio.wait({read, task}, timeout=poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+            if read.done() or (task.done() and (task.cancelled() or task.exception() is None)):
+                return
+            if task.done():
+                logger.warning("request %s: prefill on %s failed; prefilling locally instead", request_id, name)
+                break
+            if self._handle.num_unanswered_polls >= UNANSWERED_POLLS:
+                logger.warning("request %s: prefill worker %s stopped answering before the request's KV came; "
+                               "prefilling locally instead", request_id, name)
+                break
+        read.cancel()
+        raise PrefillFailed()
+
+
 class WorkerPool:
     def __init__(self, workers: tuple[WorkerConfig, ...], config: RouterConfig, metrics: RouterMetrics,
                  backoff: BackoffConfig = BackoffConfig(), flippable: bool = False,
@@ -150,6 +310,75 @@ class WorkerPool:
 
     def handle(self, name: str) -> WorkerHandle:
         return self._handles[name]
+
+    @property
+    def config(self) -> RouterConfig:
+        return self._config
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self._metrics
+
+    def lease(self, name: str, num_committed_tokens: int = 0) -> Lease:
+        """Counts a request in worker ``name``'s load until the lease is released."""
+        return Lease(self._handles[name], num_committed_tokens)
+
+    async def acquire_handoff(self, lease: Lease, request_id: str) -> None:
+        """Waits for one of the leased prefill worker's hand-off slots
+        (RouterConfig.max_handoffs_per_prefill_worker). Raises PrefillFailed when the worker stops
+        being usable (failed health checks) while this waits."""
+        handle = lease.handle
+        if handle.handoffs is None:
+            return
+        gauge = self._metrics.handoffs_waiting.labels(handle.name)
+        handle.num_handoffs_waiting += 1
+        gauge.set(handle.num_handoffs_waiting)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._config.stats_interval_s):
+                        await handle.handoffs.acquire()
+                    lease._handoff = handle.handoffs
+                    return
+                except TimeoutError:
+                    if not self.is_usable(handle):
+                        logger.warning("request %s: prefill worker %s stopped answering while the request waited "
+                                       "for it; prefilling locally instead", request_id, handle.name)
+                        raise PrefillFailed() from None
+        finally:
+            handle.num_handoffs_waiting -= 1
+            gauge.set(handle.num_handoffs_waiting)
+
+    def generate(self, lease: Lease, request: GenerateInput) -> GenerateCall:
+        """Starts the request's Generate stream on the leased worker, with the request deadline."""
+        handle = lease.handle
+        call = handle.decode.Generate(convert.generate_input_to_proto(request), timeout=self._config.request_timeout_s)
+        return GenerateCall(self, handle, call, request.request_id)
+
+    def prefill(self, lease: Lease, request: GenerateInput, decode: WorkerHandle) -> PrefillCall:
+        """Starts the request's Prefill on the leased worker, streaming its KV to ``decode``. The call
+        owns the lease from here: it is released, and the outcome recorded, when the call ends."""
+        handle = lease.handle
+        call = handle.prefill.Prefill(convert.prefill_request_to_proto(request, decode.kv_address, decode.tp_size),
+                                      timeout=self._config.request_timeout_s)
+        task = asyncio.ensure_future(call)
+        task.add_done_callback(lambda done: self._prefill_done(done, request.request_id, lease))
+        return PrefillCall(call, task, handle)
+
+    def _prefill_done(self, task: asyncio.Future, request_id: str, lease: Lease) -> None:
+        lease.release()
+        handle = lease.handle
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            self.mark_reachable(handle)
+            return
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        logger.info("request %s: prefill on %s ended with %s", request_id, handle.name,
+                    code.name if code is not None else type(exc).__name__)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.mark_unreachable(handle)
 
     def mark_unreachable(self, handle: WorkerHandle) -> None:
         """Called when a call failed to reach the worker: it is skipped for a back-off (growing with

@@ -125,7 +125,7 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
     from services.config import parse_config
     from services.router.metrics import RouterMetrics
     from services.scheduling.placement import WorkerView, choose_route
-    from services.router.dispatch import Dispatcher
+    from services.router.placement import Placement
     from services.router.threshold_control import ThresholdControl
 
     config = parse_config({"workers": [{"name": "p0", "service": "prefill_worker", "cluster": "prfaas", "port": 1},
@@ -137,17 +137,17 @@ def test_router_loop_sets_the_dispatch_threshold_and_metrics():
     clock = iter(range(100))
     metrics = RouterMetrics()
     control = ThresholdControl(config, pool, metrics, clock=lambda: next(clock))
-    dispatcher = Dispatcher(pool, config.router, metrics, control.controller)  # reads the one owner
+    placement = Placement(config, pool, metrics, threshold=control.controller)  # reads the one owner
     control.on_poll()
-    assert dispatcher.threshold_tokens == 1024
+    assert placement.threshold_tokens == 1024
     prefill.healthy = False
     control.on_poll()
-    assert dispatcher.threshold_tokens == math.inf
+    assert placement.threshold_tokens == math.inf
     assert metrics.controller_state.labels("stopped")._value.get() == 1
     assert metrics.threshold._value.get() == math.inf
     workers = (WorkerView("p0", True, cluster="prfaas", generates=False, prefills=True),
                WorkerView("d0", True, receives_kv=True))
-    assert choose_route(workers, 100_000, dispatcher.threshold_tokens).path == "local"
+    assert choose_route(workers, 100_000, placement.threshold_tokens).path == "local"
     assert choose_route(workers, 100_000, 1024).path == "prfaas"
 
 

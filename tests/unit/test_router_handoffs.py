@@ -18,7 +18,9 @@ from services.config import parse_config
 from services.worker_api.types import GenerateInput, Sampling
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
 from services.router.workers import WorkerPool
+from services.scheduling.congestion import FixedThreshold
 from services.security import GrpcSecurity
 
 MAX_HANDOFFS = 2
@@ -86,7 +88,8 @@ async def _scenario(prefill_fails: str = ""):
     try:
         for handle in pool.handles:
             handle.healthy = True
-        dispatcher = Dispatcher(pool, config.router, metrics, threshold=THRESHOLD)
+        dispatcher = Dispatcher(pool, config.router, metrics,
+                                Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
 
         async def one(index: int, length: int) -> str:
             request = GenerateInput(f"r{index}", list(range(1, length + 1)), Sampling(max_tokens=1))

@@ -16,6 +16,7 @@ from services.router.placement import Placement
 from services.router.role_control import RoleControl
 from services.router.workers import WorkerPool
 from services.scheduling.backoff import BackoffConfig
+from services.scheduling.congestion import FixedThreshold
 from services.scheduling.offload import CacheTransfer
 
 BLOCK = 128
@@ -73,6 +74,13 @@ def run_with_pool(raw, body, flippable=False):
     return asyncio.run(main())
 
 
+def _moved_to(threshold_tokens: float, config) -> FixedThreshold:
+    """The threshold's owner after a controller moved it from the configured base."""
+    owner = FixedThreshold(config.scheduler.offload_threshold_tokens)
+    owner.threshold_tokens = threshold_tokens
+    return owner
+
+
 @pytest.mark.parametrize("cached, threshold, path, transfer, reused", [
     ({}, 1024, "prfaas", None, 0),
     ({"local": 4096}, 1024, "local", None, 4096),
@@ -83,11 +91,11 @@ def run_with_pool(raw, body, flippable=False):
 def test_placement_uses_the_cache_pools(cached, threshold, path, transfer, reused, caplog):
     async def body(config, pool, metrics, clock):
         index, transfers = FakeIndex(cached), RecordingTransfers()
-        placement = Placement(config, pool, metrics, index, transfers)
+        placement = Placement(config, pool, metrics, index, transfers, threshold=_moved_to(threshold, config))
         cache, hashes = await placement.prompt_cache(list(range(5000)))
         assert len(index.queries[0].block_hashes) == 5000 // BLOCK and index.queries[0].model == config.model.name
         with caplog.at_level(logging.DEBUG, logger="services.router.placement"):
-            route = placement.route("req-1", cache, hashes, threshold)
+            route = placement.route("req-1", cache, hashes)
         assert (route.path, route.transfer, route.num_cached_tokens) == (path, transfer, reused)
         assert value(metrics, "prfaas_scheduler_decisions_total", path=path) == 1
         assert value(metrics, "prfaas_scheduler_offloaded_fraction") == (1.0 if path == "prfaas" else 0.0)
@@ -108,10 +116,10 @@ def test_without_pools_the_prompt_length_decides_and_prefills_are_cache_affine()
     async def body(config, pool, metrics, clock):
         placement = Placement(config, pool, metrics)
         pool.handle("p1").num_in_flight = 1
-        first = placement.route("a", *await placement.prompt_cache(list(range(3000))), 1024)
+        first = placement.route("a", *await placement.prompt_cache(list(range(3000))))
         pool.handle("p2").num_in_flight = 5
-        again = placement.route("b", *await placement.prompt_cache(list(range(3000)) + [7] * 100), 1024)
-        short = placement.route("c", *await placement.prompt_cache(list(range(1000))), 1024)
+        again = placement.route("b", *await placement.prompt_cache(list(range(3000)) + [7] * 100))
+        short = placement.route("c", *await placement.prompt_cache(list(range(1000))))
         return first, again, short
     first, again, short = run_with_pool({"workers": WORKERS}, body)
     assert (first.path, first.prefill) == ("prfaas", "p2")
@@ -225,7 +233,7 @@ def test_admission_judges_the_path_that_dispatch_will_serve():
         queues = PrefillQueues(config.scheduler.prefill_tokens_per_s, metrics, clock=clock)
         queues.enqueue("prfaas", 10_000)  # 100 s of PrfaaS prefill queued: that path breaks the SLO
         placement = Placement(config, pool, metrics, FakeIndex({"local": 4096}), RecordingTransfers())
-        dispatcher = Dispatcher(pool, config.router, metrics, 1024, queues, placement)
+        dispatcher = Dispatcher(pool, config.router, metrics, placement, queues)
         admission = AdmissionControl(config, pool, queues, metrics)
         qos = admission.qos_class(None, None)
         request = GenerateInput("r1", list(range(5000)), Sampling(max_tokens=4))

@@ -16,7 +16,9 @@ from services.config import parse_config
 from services.worker_api.types import GenerateInput, Sampling
 from services.router.dispatch import Dispatcher
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
 from services.router.workers import STREAMS_RESERVED, WorkerPool
+from services.scheduling.congestion import FixedThreshold
 from services.security import GrpcSecurity
 
 LIMIT = STREAMS_RESERVED + 4      # the worker's max_concurrent_streams
@@ -53,7 +55,8 @@ async def _scenario():
     try:
         (handle,) = pool.handles
         handle.healthy = True
-        dispatcher = Dispatcher(pool, config.router, metrics, threshold=1e9)
+        dispatcher = Dispatcher(pool, config.router, metrics,
+                                Placement(config, pool, metrics, threshold=FixedThreshold(1e9)))
 
         async def one(index: int) -> str:
             request = GenerateInput(f"r{index}", [1, 2, 3], Sampling(max_tokens=1))

@@ -7,9 +7,9 @@ from services.worker_api.types import LinkStats, WorkerStats
 
 from services.config import parse_config
 from services.router.admission import PrefillQueues
-from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError
+from services.router.dispatch import Dispatcher, NoWorkerAvailable
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
 from services.router.threshold_control import ThresholdControl
 from services.worker_api.types import GenerateInput, Sampling
 
@@ -49,7 +49,7 @@ class Rig:
                                        stats=prfaas_stats(0), num_handoffs_waiting=0)
         pool = SimpleNamespace(handles=(self.prefill,))
         self.control = ThresholdControl(self.config, pool, self.metrics, clock=self.clock, queues=self.queues)
-        self.dispatcher = Dispatcher(pool, self.config.router, self.metrics, self.control.controller)
+        self.placement = Placement(self.config, pool, self.metrics, threshold=self.control.controller)
 
     def poll_at(self, now_s):
         self.clock.now_s = now_s
@@ -93,7 +93,7 @@ def test_reoptimises_on_schedule_from_the_measured_profiles(caplog):
     assert 200 <= controller.base_tokens < 216
     assert 300 <= controller.ceiling_tokens < 316
     # The short timescale saw the link busy and had raised t: it stays, now within [base, ceiling].
-    assert rig.dispatcher.threshold_tokens == controller.threshold_tokens
+    assert rig.placement.threshold_tokens == controller.threshold_tokens
     assert controller.base_tokens <= controller.threshold_tokens <= controller.ceiling_tokens
     assert value(rig.metrics.threshold_base) == controller.base_tokens
     assert value(rig.metrics.threshold_ceiling) == controller.ceiling_tokens
@@ -132,14 +132,15 @@ def test_interval_zero_disables_and_no_queues_means_no_long_timescale(scheduler)
 
 def test_dispatcher_reports_each_request_once():
     config = deployment()
-    pool = SimpleNamespace(route=lambda *args, **kwargs: None)
-    dispatcher = Dispatcher(pool, config.router, RouterMetrics(), 64)
+    pool = SimpleNamespace(route=lambda *args, **kwargs: None, handles=())
+    metrics = RouterMetrics()
+    dispatcher = Dispatcher(pool, config.router, metrics, Placement(config, pool, metrics))
     lengths = []
     dispatcher.on_request.append(lengths.append)
 
     async def run():
         request = GenerateInput("r1", [1, 2, 3], Sampling(max_tokens=4))
-        with pytest.raises(ApiError):
+        with pytest.raises(NoWorkerAvailable):
             async for _ in dispatcher.generate(request):
                 pass
 

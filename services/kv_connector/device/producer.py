@@ -6,7 +6,11 @@ event on the compute stream; the side stream waits for that event, gathers the b
 staging buffer (``index_select``) and copies them into a ring slot (``non_blocking``), then records
 a done event. A sender thread waits for done events, in order, and hands each slot's bytes (a view
 of the pinned memory) to the caller's ``deliver``, which gives the slot back once the bytes are sent.
-On CPU the gather writes straight into the slot and the events complete at once.
+``fence`` makes the compute stream's later work (the next step may reuse a finished request's
+blocks) wait for the gathers issued so far: a dependency between streams, not a host wait.
+
+On CPU the gather writes straight into the slot, the events complete at once, and ``deliver`` runs
+on the calling thread unless ``threaded`` asks for the sender thread (tests do, to run its code).
 """
 from __future__ import annotations
 
@@ -41,16 +45,18 @@ class _Copy:
 
 
 class LayerSaver:
-    def __init__(self, device: Device, ring: HostRing) -> None:
+    def __init__(self, device: Device, ring: HostRing, threaded: bool | None = None) -> None:
         self.device = device
         self.ring = ring
         self.num_failed = 0
         self._staging: torch.Tensor | None = None  # on CUDA: the gather's target, one slot's size
-        self._copies: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
+        self._copies: queue.SimpleQueue[_Copy | Callable[[], None] | None] = queue.SimpleQueue()
         self._num_pending = 0
         self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._send_loop, daemon=True, name="prfaas-kv-save")
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if device.is_cuda if threaded is None else threaded:
+            self._thread = threading.Thread(target=self._send_loop, daemon=True, name="prfaas-kv-save")
+            self._thread.start()
 
     def save(self, cache: torch.Tensor, block_dim: int, block_ids: Sequence[int], deliver: Deliver) -> None:
         """Queue copies of ``block_ids`` of ``cache`` (its blocks along ``block_dim``), in slot-sized
@@ -72,6 +78,16 @@ class LayerSaver:
                              f"{self.ring.slot_bytes} bytes")
         return self.ring.slot_bytes // block_bytes
 
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once every copy queued so far was delivered (on the sender thread; at once
+        on the calling thread when there is none): ends a transfer after its last frame."""
+        self._put(action)
+
+    def fence(self) -> None:
+        """Later work on the compute stream waits for every gather issued so far (GPU side only)."""
+        if self.device.is_cuda:
+            self.device.current_stream().wait_stream(self.device.side_stream())
+
     def flush(self) -> None:
         """Wait until every queued copy was handed to its ``deliver`` (for a request's end and
         ``handle_preemptions``: its blocks may be reused after this). Waits on the host only."""
@@ -80,8 +96,9 @@ class LayerSaver:
 
     def close(self) -> None:
         self.flush()
-        self._copies.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._copies.put(None)
+            self._thread.join()
 
     def _queue_copy(self, cache: torch.Tensor, block_dim: int, block_ids: Sequence[int], first: int,
                     deliver: Deliver, side: Any) -> None:
@@ -94,9 +111,15 @@ class LayerSaver:
         except BaseException:
             self.ring.release(slot)
             raise
+        self._put(_Copy(slot, num_bytes, first, len(block_ids), deliver, done, index))
+
+    def _put(self, item: _Copy | Callable[[], None]) -> None:
+        if self._thread is None:
+            self._run(item)
+            return
         with self._idle:
             self._num_pending += 1
-        self._copies.put(_Copy(slot, num_bytes, first, len(block_ids), deliver, done, index))
+        self._copies.put(item)
 
     def _gather(self, cache: torch.Tensor, block_dim: int, block_ids: Sequence[int],
                 slot: Slot) -> tuple[torch.Tensor, int]:
@@ -122,19 +145,28 @@ class LayerSaver:
         return self._staging
 
     def _send_loop(self) -> None:
-        while (copy := self._copies.get()) is not None:
-            release = _releaser(self.ring, copy.slot)
+        while (item := self._copies.get()) is not None:
             try:
-                copy.done.synchronize()
-                copy.deliver(copy.first, copy.count, copy.slot.view(copy.num_bytes), release)
+                self._run(item)
             except Exception:
-                self.num_failed += 1
-                release()
-                logger.exception("KV copy of blocks %d+%d could not be delivered", copy.first, copy.count)
+                logger.exception("a step queued after KV copies failed")
             finally:
                 with self._idle:
                     self._num_pending -= 1
                     self._idle.notify_all()
+
+    def _run(self, item: _Copy | Callable[[], None]) -> None:
+        if not isinstance(item, _Copy):
+            item()
+            return
+        release = _releaser(self.ring, item.slot)
+        try:
+            item.done.synchronize()
+            item.deliver(item.first, item.count, item.slot.view(item.num_bytes), release)
+        except Exception:
+            self.num_failed += 1
+            release()
+            logger.exception("KV copy of blocks %d+%d could not be delivered", item.first, item.count)
 
 
 def _typed(memory: torch.Tensor, num_bytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

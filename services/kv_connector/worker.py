@@ -23,7 +23,8 @@ import torch
 
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.producer import LayerSaver
-from services.kv_connector.device.ring import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, HostRing
+from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
+from services.kv_connector.device.ring import HostRing
 from services.kv_connector.device.streams import Device
 from services.kv_connector.forwarder import Forwarder
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block

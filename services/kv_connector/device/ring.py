@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
+from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
 from services.kv_connector.device.streams import Device
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RING_BYTES = 256 << 20  # 16 slots of 16 MiB: half an 8B-class layer of an 8K-token prefill per slot
-DEFAULT_SLOT_BYTES = 16 << 20
 EVENT_POLL_S = 0.0002  # how often a waiter looks again at slots whose last copy is still running
 
 

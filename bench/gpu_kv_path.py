@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import _common  # noqa: F401  (puts the project on sys.path)
 import torch
-from _common import verdict
 
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.producer import LayerSaver
@@ -122,9 +121,14 @@ class Receiving:
     """The consumer side: a thread takes frames from the transport and writes them with the block
     loader; a transfer is in once its end arrived and its copies completed."""
 
-    def __init__(self, device: Device, target: list[torch.Tensor], ids: list[int]) -> None:
-        self.transport = KVTransport(TransportSettings(secret=SECRET), listen_port=0)
-        self.loader = BlockLoader(device, HostRing(device, SLOT_BYTES, 16))
+    def __init__(self, device: Device, target: list[torch.Tensor], ids: list[int], receive_bytes: int) -> None:
+        settings = TransportSettings(secret=SECRET)
+        self.transport = KVTransport(settings, listen_port=0)
+        receive_ring = HostRing(device, settings.frame_bytes, receive_bytes // settings.frame_bytes + 2) \
+            if device.is_cuda else None
+        self.loader = BlockLoader(device, HostRing(device, SLOT_BYTES, 2), receive_ring)
+        if receive_ring is not None:
+            self.transport.receive_into(self.loader.allocate)
         self.target, self.ids = target, ids
         self.ended: dict[str, threading.Event] = {}
         self.failures: list[str] = []
@@ -231,14 +235,33 @@ def producer_rate(saver: LayerSaver, source: list[torch.Tensor], ids: list[int],
     return len(source) * layer_bytes / timed(run, saver.device, rounds) / 1e9
 
 
-def consumer_rate(loader: BlockLoader, payloads: list[memoryview], target: list[torch.Tensor], ids: list[int],
-                  rounds: int) -> float:
+def received_frames(loader: BlockLoader, payloads: list[memoryview], num_blocks: int,
+                    frame_bytes: int) -> list[tuple[int, int, memoryview]]:
+    """Each layer's bytes cut into frames of whole blocks, in the memory the transport would have
+    received them into (``loader.allocate``): (layer, first block, payload)."""
+    frames = []
+    for layer, payload in enumerate(payloads):
+        block_bytes = len(payload) // num_blocks
+        per_frame = max(1, frame_bytes // block_bytes)
+        for first in range(0, num_blocks, per_frame):
+            chunk = payload[first * block_bytes:min(first + per_frame, num_blocks) * block_bytes]
+            frame = loader.allocate(len(chunk))
+            frame[:] = chunk
+            frames.append((layer, first, frame))
+    return frames
+
+
+def consumer_rate(loader: BlockLoader, frames: list[tuple[int, int, memoryview]], target: list[torch.Tensor],
+                  ids: list[int], rounds: int) -> float:
+    block_bytes = target[0][0].numel() * target[0].element_size()
+
     def run():
-        for cache, payload in zip(target, payloads):
-            loader.write("rate", cache, 0, payload, list(range(len(ids))), ids)
+        for layer, first, payload in frames:
+            count = len(payload) // block_bytes
+            loader.write("rate", target[layer], 0, payload, list(range(count)), ids[first:first + count])
         while loader.poll() is not None and loader.busy("rate"):
             time.sleep(0.0001)
-    return sum(len(p) for p in payloads) / timed(run, loader.device, rounds) / 1e9
+    return sum(len(frame[2]) for frame in frames) / timed(run, loader.device, rounds) / 1e9
 
 
 def plain_copy_rates(device: Device, layer_bytes: int, layers: int, rounds: int) -> tuple[float, float]:
@@ -271,7 +294,7 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
 
     ring = HostRing(device, SLOT_BYTES, -(-(shape.layer_bytes * shape.layers) // SLOT_BYTES) + 2)
     saver = LayerSaver(device, ring, threaded=True)
-    receiving = Receiving(device, target, dst_ids)
+    receiving = Receiving(device, target, dst_ids, shape.layer_bytes * shape.layers)
     tx = KVTransport(TransportSettings(secret=SECRET))
     peer = f"127.0.0.1:{receiving.transport.port}"
     try:
@@ -287,7 +310,8 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
         d2h = producer_rate(saver, source, src_ids, shape.layer_bytes, rounds)
         index = torch.tensor(src_ids, device=device.device)
         payloads = [memoryview(c.index_select(0, index).reshape(-1).view(torch.uint8).cpu().numpy()) for c in source]
-        h2d = consumer_rate(receiving.loader, payloads, target, dst_ids, rounds)
+        frames = received_frames(receiving.loader, payloads, shape.num_blocks, TransportSettings().frame_bytes)
+        h2d = consumer_rate(receiving.loader, frames, target, dst_ids, rounds)
         matches &= same_blocks(source, src_ids, target, dst_ids)
         d2h_base, h2d_base = plain_copy_rates(device, shape.layer_bytes, shape.layers, rounds)
     finally:
@@ -295,6 +319,8 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
         tx.close()
         receiving.stop()
         receiving.loader.ring.close()
+        if receiving.loader.receive_ring is not None:
+            receiving.loader.receive_ring.close()
         ring.close()
     return Result(named, forward_s, statistics.median(streamed), d2h, d2h_base, h2d, h2d_base, waits, matches)
 
@@ -315,17 +341,15 @@ def report(results: list[Result], device: Device, shape: Shape) -> int:
     h2d = min(r.h2d_gbps / r.h2d_base_gbps for r in results)
     matches = all(r.bytes_match for r in results)
     held = slowdown <= TARGET_SLOWDOWN and d2h >= TARGET_COPY and h2d >= TARGET_COPY
-    detail = (f"D2H {d2h:.2f}x of pinned (target >= {TARGET_COPY}), H2D {h2d:.2f}x of pinned (target >= "
-              f"{TARGET_COPY}), bytes {'match' if matches else 'DIFFER'}, targets {'held' if held else 'missed'}")
+    figures = (f"slowdown {slowdown:.3f}x (target <= {TARGET_SLOWDOWN}), D2H {d2h:.2f}x of pinned (target >= "
+               f"{TARGET_COPY}), H2D {h2d:.2f}x of pinned (target >= {TARGET_COPY}), bytes "
+               f"{'match' if matches else 'DIFFER'} in every layer of every layout")
     if not device.is_cuda:
-        print(f"gpu_kv_path (cpu): bytes {'match' if matches else 'DIFFER'} in every layer of every layout; "
-              f"slowdown {slowdown:.3f}x, D2H {d2h:.2f}x, H2D {h2d:.2f}x of plain copies (the GPU targets, "
-              f"<= {TARGET_SLOWDOWN}x and >= {TARGET_COPY}x, are checked with --device cuda): "
+        print(f"gpu_kv_path (cpu): {figures}; on CPU only the bytes decide (the targets are for --device cuda): "
               f"{'PASS' if matches else 'FAIL'}")
         return 0 if matches else 1
-    status = verdict("gpu_kv_path (cuda) forward slowdown with streaming", slowdown, TARGET_SLOWDOWN, detail,
-                     higher_is_better=False)
-    return status if held and matches else 1
+    print(f"gpu_kv_path (cuda): {figures}: {'PASS' if held and matches else 'FAIL'}")
+    return 0 if held and matches else 1
 
 
 def device_name(device: Device) -> str:

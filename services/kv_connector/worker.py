@@ -128,19 +128,28 @@ class PrfaasConnectorWorker:
         self._spec_layers = {item.name: item for item in spec.layers} if spec is not None else {}
         self._announcement = announcement(layout.fingerprint, spec)
         self._plans = ReblockPlans(layout, spec)
-        self._open_device_path(layout)
         self.streams = self._streams_factory()
+        self._open_device_path(layout)
 
     def _open_device_path(self, layout: KVLayout) -> None:
-        """One ring for each direction, slots at least one block (or state page) of any layer."""
+        """The saver's ring (slots of at least one block or state page of any layer); on CUDA a ring
+        of frame-sized slots the transport receives into, and two slots for frames that missed it."""
         caches = list(layout.caches.values())
         device = Device(caches[0].device if caches else "cpu")
         largest = max(layout.payload_bytes(layer, 1) for layer in layout.layers.values()) if layout.layers else 0
         slot_bytes = max(self._slot_bytes, largest)
-        num_slots = max(2, self._ring_bytes // slot_bytes)
-        self._rings = [HostRing(device, slot_bytes, num_slots) for _ in range(2)]
-        self._saver = LayerSaver(device, self._rings[0])
-        self._loader = BlockLoader(device, self._rings[1])
+        save_ring, load_ring = HostRing(device, slot_bytes, max(2, self._ring_bytes // slot_bytes)), \
+            HostRing(device, slot_bytes, 2)
+        self._rings = [save_ring, load_ring]
+        self._saver = LayerSaver(device, save_ring)
+        receive_ring = None
+        if device.is_cuda and isinstance(self.streams, KVTransport):
+            frame_bytes = min(max(self.streams.settings.frame_bytes, largest), slot_bytes)
+            receive_ring = HostRing(device, frame_bytes, max(2, self._ring_bytes // frame_bytes))
+            self._rings.append(receive_ring)
+        self._loader = BlockLoader(device, load_ring, receive_ring)
+        if receive_ring is not None:
+            self.streams.receive_into(self._loader.allocate)
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
         for spec in meta.recvs:

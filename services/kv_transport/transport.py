@@ -84,6 +84,13 @@ class KVTransport:
             self._receiver.staging.release(released)
         return events
 
+    def receive_into(self, allocate: Callable[[int], memoryview]) -> None:
+        """Read each received frame's payload into ``allocate(num_bytes)`` (pinned host memory, say),
+        called on the receiving thread; the memory is the allocator's to reclaim once the frame's
+        payload is no longer referenced."""
+        if self._receiver is not None:
+            self._receiver.allocate = allocate
+
     def forget(self, transfer_id: str) -> None:
         """The consumer no longer wants this transfer; later frames of it are discarded."""
         if self._receiver is not None:

@@ -132,3 +132,23 @@ def test_a_request_is_received_only_once_all_its_copies_completed():
     copies[1].complete()
     assert loader.poll() == {"r"} and not loader.busy("r")
     assert loader.poll() == set()
+
+
+def test_a_leased_frame_gives_its_slot_back_once_nothing_references_it():
+    ring = HostRing(CPU, 64, 1)
+    frame = ring.lease(48)
+    assert frame is not None and len(frame) == 48 and ring.num_free == 0
+    assert ring.lease(8) is None and ring.lease(65) is None  # none free; too big: the caller uses ordinary memory
+    assert ring.holds(torch.frombuffer(frame, dtype=torch.uint8).data_ptr())
+    part = frame[8:16]
+    del frame
+    assert ring.num_free == 0  # a view of it still reads the slot
+    del part
+    assert ring.num_free == 1
+
+
+def test_the_transport_reads_frames_into_the_loaders_memory():
+    loader = BlockLoader(CPU, HostRing(CPU, 1024, 2), HostRing(CPU, 256, 2))
+    pinned, too_big = loader.allocate(200), loader.allocate(300)
+    assert loader.receive_ring.holds(torch.frombuffer(pinned, dtype=torch.uint8).data_ptr())
+    assert not loader.receive_ring.holds(torch.frombuffer(too_big, dtype=torch.uint8).data_ptr())

@@ -18,4 +18,5 @@ def test_the_cpu_form_moves_every_byte_and_prints_its_verdict_last():
     lines = result.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines[2:4]] == ["LBNHC", "LBHNC"]
     assert all(line.endswith("match") for line in lines[2:4])
-    assert lines[-1].startswith("gpu_kv_path (cpu): bytes match") and lines[-1].endswith("PASS")
+    assert lines[-1].startswith("gpu_kv_path (cpu): slowdown") and lines[-1].endswith("PASS")
+    assert "bytes match in every layer of every layout" in lines[-1]

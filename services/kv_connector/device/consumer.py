@@ -1,12 +1,14 @@
 """The consumer half: copies received blocks into the paged cache without the engine thread waiting
 for the GPU.
 
-``write`` runs on the engine thread between forwards. On CUDA the received bytes go into a pinned
-ring slot; on the side stream, after everything enqueued so far on the compute stream (the zeroing
-of new blocks, reads of reused ones), a ``non_blocking`` copy moves them into a GPU staging buffer
-and ``index_copy_`` puts them in their blocks; a done event closes each copy. A request counts as
-received only once all its copies' events completed (``poll``, which never blocks). On CPU the
-blocks are written in place at once, exactly as ``KVLayout.write_some`` writes them.
+``write`` runs on the engine thread between forwards. On CUDA the transport reads frames straight
+into pinned slots of a receive ring (``allocate``); a frame that found no slot is first copied into
+a slot of the loader's own ring. On the side stream, after everything enqueued so far on the
+compute stream (the zeroing of new blocks, reads of reused ones), a ``non_blocking`` copy moves the
+bytes into a GPU staging buffer and ``index_copy_`` puts them in their blocks; a done event closes
+each copy. A request counts as received only once all its copies' events completed (``poll``,
+which never blocks). On CPU the blocks are written in place at once, exactly as
+``KVLayout.write_some`` writes them.
 """
 from __future__ import annotations
 
@@ -17,14 +19,22 @@ import torch
 
 from services.kv_connector.device.ring import HostRing
 from services.kv_connector.device.streams import Device
+from services.kv_transport.receiver import heap_buffer
 
 
 class BlockLoader:
-    def __init__(self, device: Device, ring: HostRing) -> None:
+    def __init__(self, device: Device, ring: HostRing, receive_ring: HostRing | None = None) -> None:
         self.device = device
         self.ring = ring
+        self.receive_ring = receive_ring
         self._staging: torch.Tensor | None = None
-        self._pending: dict[str, list[tuple[Any, torch.Tensor]]] = {}  # key -> (done event, index kept alive)
+        self._pending: dict[str, list[tuple[Any, tuple]]] = {}  # key -> (done event, what its copy reads)
+
+    def allocate(self, num_bytes: int) -> memoryview:
+        """Where the transport reads a frame of ``num_bytes`` (``KVTransport.receive_into``): a pinned
+        slot of the receive ring while one is free and big enough, ordinary memory otherwise."""
+        leased = self.receive_ring.lease(num_bytes) if self.receive_ring is not None else None
+        return leased if leased is not None else heap_buffer(num_bytes)
 
     def write(self, key: str, cache: torch.Tensor, block_dim: int, payload: memoryview, keep: Sequence[int],
               block_ids: Sequence[int]) -> None:
@@ -35,6 +45,9 @@ class BlockLoader:
             if len(keep) != source.shape[block_dim]:
                 source = source.index_select(block_dim, torch.tensor(keep, dtype=torch.long))
             cache.index_copy_(block_dim, torch.tensor(block_ids, dtype=torch.long), source)
+            return
+        if self._is_pinned(source) and _run_of(keep, block_dim) and len(payload) <= self.ring.slot_bytes:
+            self._load_pinned(key, cache, block_dim, source.narrow(0, keep[0], len(keep)), block_ids, payload)
             return
         per_slot = max(1, self.ring.slot_bytes // _block_bytes(cache, block_dim))
         for first in range(0, len(keep), per_slot):
@@ -55,6 +68,24 @@ class BlockLoader:
                 completed.add(key)
         return completed
 
+    def _is_pinned(self, source: torch.Tensor) -> bool:
+        return self.receive_ring is not None and self.receive_ring.holds(source.data_ptr())
+
+    def _load_pinned(self, key: str, cache: torch.Tensor, block_dim: int, source: torch.Tensor,
+                     block_ids: Sequence[int], payload: memoryview) -> None:
+        """A frame already in pinned memory: copied in as it is; the frame is held until the copy completed."""
+        compute, side = self.device.current_stream(), self.device.side_stream()
+        index = torch.tensor(block_ids, dtype=torch.long).pin_memory()
+        with self.device.use(side):
+            side.wait_stream(compute)
+            on_device = self._staging_buffer()[:source.numel() * source.element_size()]
+            on_device = on_device.view(cache.dtype).view(source.shape)
+            on_device.copy_(source, non_blocking=True)
+            cache.index_copy_(block_dim, index.to(self.device.device, non_blocking=True), on_device)
+            done = self.device.event()
+            done.record(side)
+        self._pending.setdefault(key, []).append((done, (index, payload)))
+
     def _load(self, key: str, cache: torch.Tensor, block_dim: int, source: torch.Tensor, keep: Sequence[int],
               block_ids: Sequence[int]) -> None:
         compute, side = self.device.current_stream(), self.device.side_stream()
@@ -63,8 +94,7 @@ class BlockLoader:
         num_bytes = _block_bytes(cache, block_dim) * len(keep)
         slot = self.ring.acquire()
         try:
-            staged = slot.memory[:num_bytes].view(cache.dtype).view(shape)
-            torch.index_select(source, block_dim, torch.tensor(keep, dtype=torch.long), out=staged)
+            staged = _stage(slot.memory[:num_bytes], source, block_dim, keep).view(cache.dtype).view(shape)
             index = torch.tensor(block_ids, dtype=torch.long).pin_memory()
             with self.device.use(side):
                 side.wait_stream(compute)
@@ -77,12 +107,33 @@ class BlockLoader:
             self.ring.release(slot)
             raise
         self.ring.release(slot, done)
-        self._pending.setdefault(key, []).append((done, index))
+        self._pending.setdefault(key, []).append((done, (index,)))
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device.device)
         return self._staging
+
+
+def _run_of(keep: Sequence[int], block_dim: int) -> bool:
+    """Whether ``keep`` is consecutive blocks of a block-major payload (one run of bytes)."""
+    return block_dim == 0 and list(keep) == list(range(keep[0], keep[0] + len(keep)))
+
+
+def _stage(memory: torch.Tensor, source: torch.Tensor, block_dim: int, keep: Sequence[int]) -> torch.Tensor:
+    """Copy blocks ``keep`` of ``source`` into pinned ``memory``. Consecutive blocks of a block-major
+    payload are one run of bytes: a plain (multi-threaded) byte copy, several times faster than a
+    gather of bf16 blocks."""
+    first, count = keep[0], len(keep)
+    if _run_of(keep, block_dim):
+        rows = source.view(source.shape[0], -1).view(torch.uint8)
+        memory.view(count, -1).copy_(rows[first:first + count])
+    else:
+        shape = list(source.shape)
+        shape[block_dim] = count
+        torch.index_select(source, block_dim, torch.tensor(keep, dtype=torch.long),
+                           out=memory.view(source.dtype).view(shape))
+    return memory
 
 
 def _block_bytes(cache: torch.Tensor, block_dim: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,26 @@ class HostRing:
                 self._cond.wait(EVENT_POLL_S if self._free else None)
             self._free.remove(slot)
             return slot
+
+    def lease(self, num_bytes: int) -> memoryview | None:
+        """A slot's first ``num_bytes`` as a memoryview that gives the slot back once neither it nor
+        any view of it is referenced (received frames: whoever copies them in holds the frame until
+        its copy completed); None when the bytes do not fit a slot or none is free (never waits)."""
+        if num_bytes > self.slot_bytes:
+            return None
+        with self._cond:
+            slot = self._ready()
+            if slot is None:
+                return None
+            self._free.remove(slot)
+        array = slot.memory[:num_bytes].numpy()
+        weakref.finalize(array, self.release, slot)
+        return memoryview(array)
+
+    def holds(self, address: int) -> bool:
+        """Whether ``address`` lies in the ring's memory (pinned on CUDA)."""
+        start = self._memory.data_ptr()
+        return start <= address < start + self._memory.numel()
 
     def release(self, slot: Slot, done: Any = None) -> None:
         """Give ``slot`` back; it is handed out again only after ``done`` (an event) completed."""

@@ -49,6 +49,7 @@ from services.kv_transport import Frame, KVTransport, TransferDone, TransferFail
 
 BLOCK_TOKENS = 16
 SLOT_BYTES = 16 << 20
+FRAME_BYTES = 4 << 20
 SECRET = "bench-secret"
 TARGET_SLOWDOWN, TARGET_COPY = 1.03, 0.8
 
@@ -121,8 +122,9 @@ class Receiving:
     """The consumer side: a thread takes frames from the transport and writes them with the block
     loader; a transfer is in once its end arrived and its copies completed."""
 
-    def __init__(self, device: Device, target: list[torch.Tensor], ids: list[int], receive_bytes: int) -> None:
-        settings = TransportSettings(secret=SECRET)
+    def __init__(self, device: Device, target: list[torch.Tensor], ids: list[int], receive_bytes: int,
+                 frame_bytes: int) -> None:
+        settings = transport_settings(frame_bytes)
         self.transport = KVTransport(settings, listen_port=0)
         receive_ring = HostRing(device, settings.frame_bytes, receive_bytes // settings.frame_bytes + 2) \
             if device.is_cuda else None
@@ -281,7 +283,11 @@ def plain_copy_rates(device: Device, layer_bytes: int, layers: int, rounds: int)
     return total / timed(d2h, device, rounds), total / timed(h2d, device, rounds)
 
 
-def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
+def transport_settings(frame_bytes: int) -> TransportSettings:
+    return TransportSettings(secret=SECRET, frame_bytes=frame_bytes)
+
+
+def run_layout(order: str, shape: Shape, device: Device, rounds: int, frame_bytes: int) -> Result:
     total_blocks = 2 * shape.num_blocks  # ids scattered over a cache twice the request's size
     generator = torch.Generator().manual_seed(len(order))
     src_ids = torch.randperm(total_blocks, generator=generator)[:shape.num_blocks].tolist()
@@ -294,8 +300,8 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
 
     ring = HostRing(device, SLOT_BYTES, -(-(shape.layer_bytes * shape.layers) // SLOT_BYTES) + 2)
     saver = LayerSaver(device, ring, threaded=True)
-    receiving = Receiving(device, target, dst_ids, shape.layer_bytes * shape.layers)
-    tx = KVTransport(TransportSettings(secret=SECRET))
+    receiving = Receiving(device, target, dst_ids, shape.layer_bytes * shape.layers, frame_bytes)
+    tx = KVTransport(transport_settings(frame_bytes))
     peer = f"127.0.0.1:{receiving.transport.port}"
     try:
         streamed, matches = [], True
@@ -310,7 +316,7 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
         d2h = producer_rate(saver, source, src_ids, shape.layer_bytes, rounds)
         index = torch.tensor(src_ids, device=device.device)
         payloads = [memoryview(c.index_select(0, index).reshape(-1).view(torch.uint8).cpu().numpy()) for c in source]
-        frames = received_frames(receiving.loader, payloads, shape.num_blocks, TransportSettings().frame_bytes)
+        frames = received_frames(receiving.loader, payloads, shape.num_blocks, frame_bytes)
         h2d = consumer_rate(receiving.loader, frames, target, dst_ids, rounds)
         matches &= same_blocks(source, src_ids, target, dst_ids)
         d2h_base, h2d_base = plain_copy_rates(device, shape.layer_bytes, shape.layers, rounds)
@@ -325,10 +331,10 @@ def run_layout(order: str, shape: Shape, device: Device, rounds: int) -> Result:
     return Result(named, forward_s, statistics.median(streamed), d2h, d2h_base, h2d, h2d_base, waits, matches)
 
 
-def report(results: list[Result], device: Device, shape: Shape) -> int:
+def report(results: list[Result], device: Device, shape: Shape, frame_bytes: int) -> int:
     print(f"{shape.layers} layers, {shape.heads} KV heads of {shape.head_size}, bf16, {shape.tokens} tokens "
           f"(blocks of {BLOCK_TOKENS}), {shape.layer_bytes / 2**20:.1f} MiB of KV per layer; "
-          f"MLP {shape.hidden} -> {shape.ffn}; device {device_name(device)}")
+          f"MLP {shape.hidden} -> {shape.ffn}; frames of {frame_bytes >> 10} KiB; device {device_name(device)}")
     print(f"{'layout':8} {'forward':>9} {'streamed':>9} {'slowdown':>9} {'D2H GB/s':>9} {'pinned':>8} {'ratio':>6} "
           f"{'H2D GB/s':>9} {'pinned':>8} {'ratio':>6} {'waits':>6} bytes")
     for r in results:
@@ -369,6 +375,9 @@ def main() -> int:
     parser.add_argument("--ffn", type=int, help="MLP inner width (default 14336 on cuda, 896 on cpu)")
     parser.add_argument("--layouts", default="LBNHC,LBHNC")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frame-bytes", type=int, default=FRAME_BYTES,
+                        help="transport.frame_bytes: each received frame costs the consumer ~50 us of host time, "
+                             "so frames of a few MiB let it keep up with the copy engine")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu")
@@ -376,8 +385,8 @@ def main() -> int:
     shape = Shape(args.tokens or (512 if cpu else 8192), args.layers, args.heads, args.head_size,
                   args.hidden or (256 if cpu else 4096), args.ffn or (896 if cpu else 14336))
     device = Device(args.device)
-    results = [run_layout(order, shape, device, args.rounds) for order in args.layouts.split(",")]
-    return report(results, device, shape)
+    results = [run_layout(order, shape, device, args.rounds, args.frame_bytes) for order in args.layouts.split(",")]
+    return report(results, device, shape, args.frame_bytes)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,14 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         return ConnectorStats.of(ConnectorSnapshot(transport, counters))
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: sends are taken in ``save_kv_layer``, which the replay of a FULL CUDA graph skips (in
+        FULL_AND_PIECEWISE a step of one-token chunks runs as one), and the transfer would then end
+        without them. Receives need no layer hook (a request runs once ``finished_recving`` names it,
+        after its copies completed), so they alone would keep FULL graphs safe (docs/gpu.md)."""
+        return True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
         return ConnectorStats(data=dict(data or {}))
 

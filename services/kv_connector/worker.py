@@ -453,6 +453,8 @@ class PrfaasConnectorWorker:
     def _collect(self, failed: dict[str, str]) -> TransferResults:
         if self._loader is not None:
             self._loader.poll()
+            if failed or self._released:
+                self._loader.fence()  # their blocks may be reused by the next step
         finished, failed_req_ids = self._released, set()
         self._released = set()
         for transfer_id, reason in failed.items():

@@ -152,3 +152,25 @@ def test_the_transport_reads_frames_into_the_loaders_memory():
     pinned, too_big = loader.allocate(200), loader.allocate(300)
     assert loader.receive_ring.holds(torch.frombuffer(pinned, dtype=torch.uint8).data_ptr())
     assert not loader.receive_ring.holds(torch.frombuffer(too_big, dtype=torch.uint8).data_ptr())
+
+
+def test_frames_received_into_the_ring_are_copied_in_by_layer_in_batches():
+    layers = [torch.randn(16, 2, 4, 8) for _ in range(2)]
+    targets = [torch.zeros_like(layer) for layer in layers]
+    block_bytes = layers[0][0].numel() * 4
+    loader = BlockLoader(CPU, HostRing(CPU, 3 * block_bytes, 2), HostRing(CPU, 2 * block_bytes, 8))
+    frames = []
+    for first in range(0, 8, 2):  # two blocks a frame, layers interleaved as connections deliver them
+        for layer, source in enumerate(layers):
+            frame = loader.allocate(2 * block_bytes)
+            frame[:] = source[first:first + 2].numpy().tobytes()
+            frames.append((layer, first, frame))
+    destination = [15, 3, 9, 1, 12, 7, 5, 10]
+    for layer, first, frame in frames:
+        loader.write("r", targets[layer], 0, frame, [0, 1], destination[first:first + 2])
+    assert loader.busy("r")  # gathered, not copied yet
+    del frames, frame
+    assert loader.poll() == {"r"} and not loader.busy("r")
+    for source, target in zip(layers, targets):
+        assert torch.equal(target[destination], source[:8])
+    assert loader.receive_ring.num_free == 8  # every frame's slot came back once copied

@@ -51,7 +51,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = PrfaasConnectorWorker(lambda: self.settings.open_streams(tp_rank),
                                                 transport.recv_idle_timeout_s,
                                                 self.settings.max_early_bytes, self.settings.layerwise,
-                                                transport.recv_first_frame_timeout_s)
+                                                transport.recv_first_frame_timeout_s,
+                                                self.settings.host_ring_bytes, self.settings.host_ring_slot_bytes)
             self.pool_worker = PoolWorker(*pool) if pool else None
             self._tp_rank = tp_rank
         self.publisher: StatsPublisher | None = None
@@ -127,6 +128,14 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: sends are taken in ``save_kv_layer``, which the replay of a FULL CUDA graph skips (in
+        FULL_AND_PIECEWISE a step of one-token chunks runs as one), and the transfer would then end
+        without them. Receives need no layer hook (a request runs once ``finished_recving`` names it,
+        after its copies completed), so they alone would keep FULL graphs safe (docs/gpu.md)."""
+        return True
 
     def _snapshot(self) -> ConnectorSnapshot:
         streams = self.worker.streams

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,6 +28,10 @@ class ConnectorSettings:
     # The worker's private directory, where each rank writes its telemetry between engine steps
     # (stats_file.py); None: the telemetry rides on vLLM's connector stats, which need engine steps.
     stats_dir: str | None = None
+    # Pinned host memory per direction for KV between the cache and the transport (docs/gpu.md sizes
+    # it): a full ring makes a save wait, it never allocates. Slots hold at least one block.
+    host_ring_bytes: int = DEFAULT_RING_BYTES
+    host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES
 
     @classmethod
     def of(cls, extra: dict) -> "ConnectorSettings":

@@ -1,8 +1,11 @@
 """Worker side of the PrfaaS connector: copies KV out of and into the paged cache, per layer.
 
 Runs in vLLM's worker process; every method is called on the engine thread. Sends copy the
-blocks (so vLLM may free them at once) and hand the copy to the transport, which sends in the
-background; a transfer's LAYOUT frame goes before its first block. Received frames are applied to
+blocks into a pinned host ring on a side stream (``device.producer``; vLLM may free the blocks at
+once: the next step's compute waits for the copies on the GPU, ``LayerSaver.fence``) and hand the
+copy to the transport, which sends in the background; a transfer's LAYOUT frame goes before its
+first block. On CUDA received blocks are copied in on a side stream too (``device.consumer``), and a
+request counts as received once those copies completed. Received frames are applied to
 the cache here, between forwards, so nothing else ever writes into engine memory, once the
 producer's LAYOUT frame says how (as they are, or re-blocked: ``reblock``); a transfer completes
 when its end marker and every frame are in. A rank that receives KV heads its engine replicates on
@@ -14,9 +17,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from services.kv_connector.device.consumer import BlockLoader
+from services.kv_connector.device.producer import LayerSaver
+from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
+from services.kv_connector.device.ring import HostRing
+from services.kv_connector.device.streams import Device
 from services.kv_connector.forwarder import Forwarder
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.layouts.apply import attention_view, slice_attention, slice_state, state_page
@@ -81,8 +90,13 @@ class TransferResults:
 
 class PrfaasConnectorWorker:
     def __init__(self, streams_factory, idle_timeout_s: float, max_early_bytes: int, layerwise: bool = True,
-                 first_frame_timeout_s: float | None = None) -> None:
+                 first_frame_timeout_s: float | None = None, host_ring_bytes: int = DEFAULT_RING_BYTES,
+                 host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         self._streams_factory = streams_factory
+        self._ring_bytes, self._slot_bytes = host_ring_bytes, host_ring_slot_bytes
+        self._rings: list[HostRing] = []
+        self._saver: LayerSaver | None = None
+        self._loader: BlockLoader | None = None
         self._layerwise = layerwise
         self._deferred: dict[str, list[tuple]] = {}  # send-after-prefill mode: (peer, wire id, frame) held to the end
         self._idle_timeout_s = idle_timeout_s
@@ -113,6 +127,27 @@ class PrfaasConnectorWorker:
         self._announcement = announcement(layout.fingerprint, spec)
         self._plans = ReblockPlans(layout, spec)
         self.streams = self._streams_factory()
+        self._open_device_path(layout)
+
+    def _open_device_path(self, layout: KVLayout) -> None:
+        """The saver's ring (slots of at least one block or state page of any layer); on CUDA a ring
+        of frame-sized slots the transport receives into, and two slots for frames that missed it."""
+        caches = list(layout.caches.values())
+        device = Device(caches[0].device if caches else "cpu")
+        largest = max(layout.payload_bytes(layer, 1) for layer in layout.layers.values()) if layout.layers else 0
+        slot_bytes = max(self._slot_bytes, largest)
+        save_ring, load_ring = HostRing(device, slot_bytes, max(2, self._ring_bytes // slot_bytes)), \
+            HostRing(device, slot_bytes, 2)
+        self._rings = [save_ring, load_ring]
+        self._saver = LayerSaver(device, save_ring)
+        receive_ring = None
+        if device.is_cuda and isinstance(self.streams, KVTransport):
+            frame_bytes = min(max(self.streams.settings.frame_bytes, largest), slot_bytes)
+            receive_ring = HostRing(device, frame_bytes, max(2, self._ring_bytes // frame_bytes))
+            self._rings.append(receive_ring)
+        self._loader = BlockLoader(device, load_ring, receive_ring)
+        if receive_ring is not None:
+            self.streams.receive_into(self._loader.allocate)
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
         for spec in meta.recvs:
@@ -143,17 +178,29 @@ class PrfaasConnectorWorker:
             self._send_attention_blocks(send, layer)
 
     def wait_for_save(self) -> None:
+        """Queues the state pages and the end of each transfer whose last chunk ran; waits for no copy."""
         for send in self._sends:
             self._announce(send)
             if send.is_last:
-                for peer, wire, frame in self._deferred.pop(send.transfer_id, ()):
-                    self.streams.send(peer, wire, *frame)
                 for layer in self.layout.state_layers:
                     self._send_state_page(send, layer)
-                for peer, wire, _ in self._destinations(send):
-                    self.streams.finish(peer, wire)
-                logger.debug("request %s: all KV handed to the transport", send.transfer_id)
+                self._saver.then(partial(self._end, send, self._destinations(send)))
+        if self._sends and self._saver is not None:
+            self._saver.fence()
         self._sends = []
+
+    def _end(self, send: SendSpec, destinations: list[tuple[str, str, Route]]) -> None:
+        """After the transfer's last copy was handed on (the sender's thread, in order)."""
+        for peer, wire, frame in self._deferred.pop(send.transfer_id, ()):
+            self.streams.send(peer, wire, *frame)
+        for peer, wire, _ in destinations:
+            self.streams.finish(peer, wire)
+        logger.debug("request %s: all KV handed to the transport", send.transfer_id)
+
+    def flush(self) -> None:
+        """Wait until every queued copy was handed to the transport (host wait; not on a step's path)."""
+        if self._saver is not None:
+            self._saver.flush()
 
     def _destinations(self, send: SendSpec) -> list[tuple[str, str, Route]]:
         """(address, wire id, route) of each consumer rank this rank sends ``send`` to (worked out once
@@ -189,18 +236,33 @@ class PrfaasConnectorWorker:
             return
         for peer, wire, route in self._destinations(send):
             if route.pieces is None:
-                payload = self.layout.extract(layer, ids)
-            elif pieces := route.pieces.get(layer.name):
-                view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
-                                      self.layout.block_size[layer.group])
-                payload = _joined([slice_attention(view, ids, piece) for piece in pieces])
-            else:
+                self._saver.save(self.layout.caches[layer.name], layer.block_dim, ids,
+                                 self._deliverer(send, peer, wire, layer, first))
                 continue
+            if not (pieces := route.pieces.get(layer.name)):
+                continue
+            view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
+                                  self.layout.block_size[layer.group])
+            payload = _joined([slice_attention(view, ids, piece) for piece in pieces])
             frame = (layer.index, layer.group, first, len(ids), _bytes(payload))
+            self._saver.then(partial(self._send_frame, send, peer, wire, frame))
+
+    def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int):
+        """The saver's ``deliver`` for one layer's blocks from block ``first`` of the request on."""
+        def deliver(offset: int, count: int, payload: memoryview, release) -> None:
             if self._layerwise:
-                self.streams.send(peer, wire, *frame)
-            else:
-                self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame))
+                self.streams.send(peer, wire, layer.index, layer.group, first + offset, count, payload, on_sent=release)
+                return
+            frame = (layer.index, layer.group, first + offset, count, memoryview(bytes(payload)))
+            release()  # held to the prefill's end: a copy, so the ring keeps moving
+            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame))
+        return deliver
+
+    def _send_frame(self, send: SendSpec, peer: str, wire: str, frame: tuple) -> None:
+        if self._layerwise:
+            self.streams.send(peer, wire, *frame)
+        else:
+            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame))
 
     def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:
         block = state_block(send.block_ids[layer.group])
@@ -208,14 +270,13 @@ class PrfaasConnectorWorker:
             return
         for peer, wire, route in self._destinations(send):
             if route.pieces is None:
-                payload = self.layout.extract(layer, [block])
+                self._saver.save(self.layout.caches[layer.name], layer.block_dim, [block],
+                                 self._deliverer(send, peer, wire, layer, 0))
             elif pieces := route.pieces.get(layer.name):
                 page = state_page(self.layout.caches[layer.name], block)
-                spec = self._spec_layer(layer)
-                payload = _joined([slice_state(page, spec, piece) for piece in pieces])
-            else:
-                continue
-            self.streams.send(peer, wire, layer.index, layer.group, 0, 1, _bytes(payload))
+                payload = _joined([slice_state(page, self._spec_layer(layer), piece) for piece in pieces])
+                frame = (layer.index, layer.group, 0, 1, _bytes(payload))
+                self._saver.then(partial(self._send_frame, send, peer, wire, frame))
 
     def _spec_layer(self, layer: LayerInfo) -> Layer:
         return self._spec_layers[layer.name]
@@ -336,7 +397,8 @@ class PrfaasConnectorWorker:
             return f"frame of {len(frame.payload)} bytes does not match layer {frame.layer}'s block size"
         keep = [i for i, block in enumerate(ids) if block is not None]
         if keep:
-            self.layout.write_some(layer, ids, keep, frame.payload)
+            self._loader.write(spec.transfer_id, self.layout.caches[layer.name], layer.block_dim, frame.payload,
+                               keep, [ids[k] for k in keep])
         return None
 
     def _apply_reblocked(self, frame: Frame, layer: LayerInfo, spec: RecvSpec, reblock: Reblocker) -> str | None:
@@ -387,6 +449,10 @@ class PrfaasConnectorWorker:
         return self._idle_timeout_s if receiving.started else self._first_frame_timeout_s
 
     def _collect(self, failed: dict[str, str]) -> TransferResults:
+        if self._loader is not None:
+            self._loader.poll()
+            if failed or self._released:
+                self._loader.fence()  # their blocks may be reused by the next step
         finished, failed_req_ids = self._released, set()
         self._released = set()
         for transfer_id, reason in failed.items():
@@ -396,7 +462,8 @@ class PrfaasConnectorWorker:
                 failed_req_ids.add(receiving.spec.req_id)
             self._forget(transfer_id, reason)
         for transfer_id, receiving in list(self._receiving.items()):
-            if receiving.done and receiving.spec is not None and not receiving.early_frames:
+            if receiving.done and receiving.spec is not None and not receiving.early_frames \
+                    and not self._copying_in(transfer_id):
                 finished.add(receiving.spec.req_id)
                 del self._receiving[transfer_id]
                 logger.debug("request %s: KV received", transfer_id)
@@ -418,14 +485,21 @@ class PrfaasConnectorWorker:
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
 
+    def _copying_in(self, transfer_id: str) -> bool:
+        return self._loader is not None and self._loader.busy(transfer_id)
+
     @property
     def num_receiving(self) -> int:
         return len(self._receiving)
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
         self.forwarder.close()
         if self.streams is not None:
             self.streams.close()
+        for ring in self._rings:
+            ring.close()
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -435,4 +509,6 @@ def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    """A host view of ``tensor``'s bytes; a device tensor is copied to the host first (a synchronous
+    copy: only TP-sliced sends take this path)."""
+    return memoryview(tensor.view(-1).view(torch.uint8).cpu().numpy())

@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy
@@ -75,6 +76,7 @@ class _Connection:
 class Receiver:
     def __init__(self, settings: TransportSettings, host: str, port: int, tls: ssl.SSLContext | None) -> None:
         self._settings = settings
+        self.allocate: Callable[[int], memoryview] = heap_buffer  # where each frame's payload is read into
         self._tls = tls
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.staging = ByteBudget(settings.max_staging_bytes)
@@ -256,7 +258,7 @@ class Receiver:
         conn.seen.add(header.transfer_id)
         self._stage(header.length)
         conn.header = header
-        conn.payload = numpy.empty(header.length, numpy.uint8).data  # not zero-filled: it is overwritten
+        conn.payload = self.allocate(header.length)
         conn.got = min(header.length, conn.end - conn.start)
         conn.payload[:conn.got] = head[conn.start:conn.start + conn.got]
         conn.start += conn.got
@@ -318,7 +320,7 @@ class Receiver:
                 conn.settimeout(self._settings.io_timeout_s)
                 seen.add(header.transfer_id)
                 self.staging.acquire(header.length)
-                payload = numpy.empty(header.length, numpy.uint8).data
+                payload = self.allocate(header.length)
                 try:
                     recv_into_exactly(conn, payload)
                 except BaseException:
@@ -445,3 +447,8 @@ class _Slots:
 
 class _Closed(Exception):
     """The connection ended cleanly between frames, or the receiver is closing."""
+
+
+def heap_buffer(num_bytes: int) -> memoryview:
+    """A frame's payload in ordinary memory (not zero-filled: it is overwritten)."""
+    return numpy.empty(num_bytes, numpy.uint8).data

@@ -29,6 +29,7 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.kv_transport.events import ByteBudget
@@ -56,6 +57,23 @@ class _Outgoing:
     group: int = 0
     block_start: int = 0
     num_blocks: int = 0
+    on_sent: "_Countdown | None" = None
+
+
+class _Countdown:
+    """Calls ``done`` once all ``count`` frames cut from one payload are sent or dropped."""
+
+    def __init__(self, count: int, done: Callable[[], None]) -> None:
+        self._left = count
+        self._done = done
+        self._lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._done()
 
 
 @dataclass(slots=True)
@@ -87,16 +105,20 @@ class PeerLink:
     # Called by the user (any thread) ------------------------------------------------------------
 
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes) -> None:
-        """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure)."""
+             payload: Bytes, on_sent: Callable[[], None] | None = None) -> None:
+        """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure).
+        The payload is read until ``on_sent`` is called (from any thread): once it was written to
+        the sockets, or dropped with its transfer."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
         target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
         blocks_per_frame = max(1, target // max(block_bytes, 1))
-        for first in range(0, max(num_blocks, 1), blocks_per_frame):
+        starts = range(0, max(num_blocks, 1), blocks_per_frame)
+        countdown = _Countdown(len(starts), on_sent) if on_sent is not None else None
+        for first in starts:
             count = min(blocks_per_frame, num_blocks - first) if num_blocks else 0
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
-            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count)
+            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown)
 
     def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
@@ -123,12 +145,14 @@ class PeerLink:
     # Internals -----------------------------------------------------------------------------------
 
     def _enqueue(self, transfer_id: str, kind: int, payload: memoryview, layer: int = 0, group: int = 0,
-                 block_start: int = 0, num_blocks: int = 0) -> None:
+                 block_start: int = 0, num_blocks: int = 0, on_sent: _Countdown | None = None) -> None:
         with self._cond:
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             if transfer.failed:
                 if kind == END:
                     self._transfers.pop(transfer_id, None)
+                if on_sent is not None:
+                    on_sent.tick()
                 return
             seq = transfer.num_frames
             if kind in COUNTED_KINDS:
@@ -136,9 +160,12 @@ class PeerLink:
                 transfer.num_bytes += len(payload)
         if not self._budget.acquire(len(payload), self._settings.send_timeout_s):
             self._fail(transfer_id, f"peer took no data for {self._settings.send_timeout_s:.0f} s")
+            if on_sent is not None:
+                on_sent.tick()
             return
         with self._cond:
-            self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks))
+            self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks,
+                                         on_sent))
             self._cond.notify()
         if self._want_wake:
             self._wake()
@@ -300,6 +327,8 @@ class PeerLink:
     def _release(self, item: _Outgoing) -> None:
         if item.kind != ABORT:
             self._budget.release(len(item.payload))
+        if item.on_sent is not None:
+            item.on_sent.tick()
 
     def _connect(self) -> socket.socket:
         if time.monotonic() < self._unreachable_until:

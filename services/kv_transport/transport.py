@@ -10,6 +10,7 @@ import logging
 import queue
 import ssl
 import threading
+from collections.abc import Callable
 
 from services.kv_transport.events import Event, Frame, TransferDone, TransferFailed
 from services.kv_transport.protocol import Bytes, block_frame_fields
@@ -43,9 +44,11 @@ class KVTransport:
         return self._receiver.port if self._receiver else None
 
     def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes) -> None:
-        """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``."""
-        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload)
+             payload: Bytes, on_sent: Callable[[], None] | None = None) -> None:
+        """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``. The
+        payload is not copied: it must stay unchanged until ``on_sent`` is called (from the sending
+        thread, once it is in the sockets or dropped with a failed transfer)."""
+        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent)
 
     def send_layout(self, peer: str, transfer_id: str, layout: bytes) -> None:
         """Queue the producer's KV layout (a LAYOUT frame), which the consumer checks before writing blocks."""
@@ -80,6 +83,13 @@ class KVTransport:
         if released:
             self._receiver.staging.release(released)
         return events
+
+    def receive_into(self, allocate: Callable[[int], memoryview]) -> None:
+        """Read each received frame's payload into ``allocate(num_bytes)`` (pinned host memory, say),
+        called on the receiving thread; the memory is the allocator's to reclaim once the frame's
+        payload is no longer referenced."""
+        if self._receiver is not None:
+            self._receiver.allocate = allocate
 
     def forget(self, transfer_id: str) -> None:
         """The consumer no longer wants this transfer; later frames of it are discarded."""

@@ -520,3 +520,21 @@ def wait_for(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def test_a_payload_is_released_once_all_its_frames_are_sent(pair):
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, frame_bytes=1 << 16))
+    released = threading.Event()
+    data = os.urandom(40 * 4096)
+    tx.send(peer, "t-sent", 0, 0, 0, 40, data, on_sent=released.set)  # three frames
+    tx.finish(peer, "t-sent")
+    frames, end = collect(rx, "t-sent")
+    assert isinstance(end, TransferDone) and b"".join(bytes(f.payload) for f in frames) == data
+    assert released.wait(5.0)
+
+
+def test_a_payload_of_a_failed_transfer_is_released_too(pair):
+    _, tx, _ = pair()
+    released = threading.Event()
+    tx.send("127.0.0.1:1", "t-lost", 0, 0, 0, 4, os.urandom(4 * 4096), on_sent=released.set)
+    assert released.wait(10.0)

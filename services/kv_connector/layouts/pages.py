@@ -9,9 +9,14 @@ with prefix caching off, one entry per block position (mostly null) in vLLM's ``
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
+
+from services.kv_connector.layouts.physical import Physical, detect, layout_tags
+
+logger = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 
@@ -26,17 +31,22 @@ class LayerInfo:
 
 class KVLayout:
     def __init__(self, kv_cache_config, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.caches = kv_caches
         num_blocks = kv_cache_config.num_blocks
         group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        declared = getattr(kv_cache_config, "kv_cache_layout", None)
+        self.physical = {name: _physical(tensor, num_blocks, specs[group_of[name]], declared)
+                         for name, tensor in kv_caches.items() if name in group_of}
+        self.caches = {name: _manager_blocks(tensor, self.physical.get(name), num_blocks)
+                       for name, tensor in kv_caches.items()}
+        kv_caches = self.caches
         self.layers = {name: LayerInfo(i, name, group_of[name], _block_dim(tensor, num_blocks))
                        for i, (name, tensor) in enumerate(kv_caches.items()) if name in group_of}
         self.by_index = {info.index: info for info in self.layers.values()}
-        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
         self.is_state_group = tuple(not hasattr(spec, "num_kv_heads") for spec in specs)
         self.block_size = tuple(spec.block_size for spec in specs)
         self.state_layers = tuple(info for info in self.layers.values() if self.is_state_group[info.group])
-        self.fingerprint = _fingerprint(kv_caches, self.layers)
+        self.fingerprint = _fingerprint(kv_caches, self.layers, self.physical)
 
     def extract(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of ``block_ids`` of ``layer`` (safe to send after the blocks are freed)."""
@@ -79,6 +89,25 @@ def state_block_at(block_ids: tuple[int, ...], num_tokens: int, block_size: int)
     return state_block(block_ids)
 
 
+def _physical(tensor: torch.Tensor, num_blocks: int, spec, declared: str | None) -> Physical:
+    """The layer's physical layout; one the strides cannot name is described by its strides alone."""
+    kind = "state" if not hasattr(spec, "num_kv_heads") else "mla" if "MLA" in type(spec).__name__ else "attention"
+    try:
+        return detect(tensor, num_blocks, kind, declared)
+    except ValueError as error:
+        if tensor.dim() == 4:
+            logger.warning("KV cache layout: %s", error)
+        return Physical("strided", 1, tuple(tensor.stride()))
+
+
+def _manager_blocks(tensor: torch.Tensor, physical: Physical | None, num_blocks: int) -> torch.Tensor:
+    """With kernel blocks smaller than the manager's (dim 0 = num_blocks * ratio), a view whose dim 0
+    is the manager's block: its kernel blocks are adjacent, so a block id indexes them all."""
+    if physical is None or physical.kernel_ratio == 1 or tensor.shape[0] != num_blocks * physical.kernel_ratio:
+        return tensor
+    return tensor.unflatten(0, (num_blocks, physical.kernel_ratio))
+
+
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     for dim in (0, 1):
         if tensor.shape[dim] == num_blocks:
@@ -103,11 +132,15 @@ def spec_fingerprint(kv_cache_config) -> str:
     return digest.hexdigest()[:16]
 
 
-def _fingerprint(kv_caches: dict[str, torch.Tensor], layers: dict[str, LayerInfo]) -> str:
-    """Equal on two engines exactly when their per-block layouts match (checked before a transfer)."""
+def _fingerprint(kv_caches: dict[str, torch.Tensor], layers: dict[str, LayerInfo],
+                 physical: dict[str, Physical]) -> str:
+    """Equal on two engines exactly when their per-block layouts match (checked before a transfer):
+    a digest of the layers' shapes, dtypes and physical layouts, then ``@`` and the physical layouts
+    in words (so that a refusal can say how they differ)."""
     digest = hashlib.sha256()
     for name, info in layers.items():
         shape = list(kv_caches[name].shape)
         shape[info.block_dim] = -1
-        digest.update(f"{info.index}:{name}:{info.group}:{info.block_dim}:{shape}:{kv_caches[name].dtype};".encode())
-    return digest.hexdigest()[:16]
+        digest.update(f"{info.index}:{name}:{info.group}:{info.block_dim}:{shape}:{kv_caches[name].dtype}:"
+                      f"{physical[name].tag};".encode())
+    return f"{digest.hexdigest()[:16]}@{layout_tags(physical)}"

@@ -37,6 +37,7 @@ from services.kv_connector.layouts.mapping import (
     plan_mapping,
     sources_of,
 )
+from services.kv_connector.layouts.physical import mismatch
 from services.kv_connector.layouts.pages import KVLayout, LayerInfo
 from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
 
@@ -159,7 +160,7 @@ class ReblockPlans:
         _, _, encoded = payload.partition(SEPARATOR)
         if theirs == self._layout.fingerprint and not self._other_tp_size(encoded):
             return None
-        mismatch = (f"KV layout mismatch ({theirs} != {self._layout.fingerprint})" if theirs != self._layout.fingerprint
+        mismatch = (_mismatch(theirs, self._layout.fingerprint) if theirs != self._layout.fingerprint
                     else "KV layout of another TP size")
         if not encoded or self._spec is None:
             return f"{mismatch}; {'the producer' if not encoded else 'this engine'} announced no layout spec"
@@ -205,3 +206,11 @@ def _whole_pages(layout_map: LayoutMap, rank: int) -> list[Piece]:
     """Every part of every layer as one piece of all the rank's units: a page as it is."""
     return [Piece(layer.index, part.name, 0, part.num_local_units, rank, 0, rank, 0)
             for layer in layout_map.layers for part in layer.src.parts]
+
+
+def _mismatch(theirs: str, ours: str) -> str:
+    """A fingerprint mismatch in words: the digests, and how the physical layouts differ if they do."""
+    their_digest, _, their_tags = theirs.partition("@")
+    our_digest, _, our_tags = ours.partition("@")
+    physical = mismatch(their_tags, our_tags)
+    return f"KV layout mismatch ({their_digest} != {our_digest})" + (f"; {physical}" if physical else "")

@@ -1,0 +1,202 @@
+"""The consumer half: copies received blocks into the paged cache without the engine thread waiting
+for the GPU.
+
+``write`` runs on the engine thread between forwards. On CUDA the transport reads frames straight
+into pinned slots of a receive ring (``allocate``); a frame that found no slot is first copied into
+a slot of the loader's own ring. On the side stream, after everything enqueued so far on the
+compute stream (the zeroing of new blocks, reads of reused ones), a ``non_blocking`` copy moves the
+bytes into a GPU staging buffer and ``index_copy_`` puts them in their blocks; a done event closes
+each copy. A request counts as received only once all its copies' events completed (``poll``,
+which never blocks). On CPU the blocks are written in place at once, exactly as
+``KVLayout.write_some`` writes them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.kv_connector.device.ring import HostRing
+from services.kv_connector.device.streams import Device
+from services.kv_transport.receiver import heap_buffer
+
+
+class BlockLoader:
+    def __init__(self, device: Device, ring: HostRing, receive_ring: HostRing | None = None) -> None:
+        self.device = device
+        self.ring = ring
+        self.receive_ring = receive_ring
+        self._staging: torch.Tensor | None = None
+        self._pending: dict[str, list[tuple[Any, tuple]]] = {}  # key -> (done event, what its copy reads)
+        self._batches: dict[int, _Batch] = {}  # by layer (its cache's id): received frames not yet copied in
+
+    def allocate(self, num_bytes: int) -> memoryview:
+        """Where the transport reads a frame of ``num_bytes`` (``KVTransport.receive_into``): a pinned
+        slot of the receive ring while one is free and big enough, ordinary memory otherwise."""
+        leased = self.receive_ring.lease(num_bytes) if self.receive_ring is not None else None
+        return leased if leased is not None else heap_buffer(num_bytes)
+
+    def write(self, key: str, cache: torch.Tensor, block_dim: int, payload: memoryview, keep: Sequence[int],
+              block_ids: Sequence[int]) -> None:
+        """Copy blocks ``keep`` of ``payload`` (blocks along ``block_dim``, as the producer gathered
+        them) into ``block_ids`` (one per kept block) of ``cache``, for the request ``key``."""
+        source = _source(cache, block_dim, payload)
+        if self._is_pinned(source) and _run_of(keep, block_dim) and len(payload) <= self.ring.slot_bytes:
+            self._add(key, cache, source.narrow(0, keep[0], len(keep)), block_ids, payload)
+            return
+        if not self.device.is_cuda:
+            if len(keep) != source.shape[block_dim]:
+                source = source.index_select(block_dim, torch.tensor(keep, dtype=torch.long))
+            cache.index_copy_(block_dim, torch.tensor(block_ids, dtype=torch.long), source)
+            return
+        self.flush()
+        per_slot = max(1, self.ring.slot_bytes // _block_bytes(cache, block_dim))
+        for first in range(0, len(keep), per_slot):
+            self._load(key, cache, block_dim, source, keep[first:first + per_slot], block_ids[first:first + per_slot])
+
+    def busy(self, key: str) -> bool:
+        """Whether copies for ``key`` may still be running (as of the last ``poll``)."""
+        return key in self._pending or any(key in batch.keys for batch in self._batches.values())
+
+    def poll(self) -> set[str]:
+        """Issues the copies of frames written so far; the keys whose copies all completed since the
+        last call. Never blocks."""
+        self.flush()
+        completed = set()
+        for key, copies in list(self._pending.items()):
+            while copies and copies[0][0].query():  # one stream: events complete in order
+                copies.pop(0)
+            if not copies:
+                del self._pending[key]
+                completed.add(key)
+        return completed
+
+    def fence(self) -> None:
+        """Later work on the compute stream waits for every copy issued so far (GPU side only): for
+        requests reported before their copies completed (failed ones), whose blocks vLLM may reuse."""
+        self.flush()
+        if self.device.is_cuda:
+            self.device.current_stream().wait_stream(self.device.side_stream())
+
+    def _is_pinned(self, source: torch.Tensor) -> bool:
+        return self.receive_ring is not None and self.receive_ring.holds(source.data_ptr())
+
+    def flush(self) -> None:
+        """Issue the copies of the frames gathered so far (``poll`` does)."""
+        for batch in list(self._batches.values()):
+            self._flush(batch)
+
+    def _flush(self, batch: "_Batch") -> None:
+        del self._batches[id(batch.cache)]
+        compute, side = self.device.current_stream(), self.device.side_stream()
+        index = torch.tensor(batch.block_ids, dtype=torch.long)
+        index = index.pin_memory() if self.device.is_cuda else index
+        with self.device.use(side):
+            side.wait_stream(compute)
+            staging, offset = self._staging_buffer(), 0
+            for source in batch.sources:
+                num_bytes = source.numel() * source.element_size()
+                target = staging[offset:offset + num_bytes].view(source.dtype).view(source.shape)
+                target.copy_(source, non_blocking=True)
+                offset += num_bytes
+            shape = (len(batch.block_ids), *batch.cache.shape[1:])
+            on_device = staging[:offset].view(batch.cache.dtype).view(shape)
+            batch.cache.index_copy_(0, index.to(self.device.device, non_blocking=True), on_device)
+            done = self.device.event()
+            done.record(side)
+        held = (index, batch.payloads)
+        for key in batch.keys:
+            self._pending.setdefault(key, []).append((done, held))
+
+    def _add(self, key: str, cache: torch.Tensor, source: torch.Tensor, block_ids: Sequence[int],
+             payload: memoryview) -> None:
+        """Gather a pinned frame into the batch: one host-to-device copy each, and one index and one
+        ``index_copy_`` per batch (a frame's own would cost more host time than its copy takes)."""
+        num_bytes = source.numel() * source.element_size()
+        batch = self._batches.get(id(cache))
+        if batch is not None and batch.num_bytes + num_bytes > self.ring.slot_bytes:
+            self._flush(batch)
+            batch = None
+        if batch is None:
+            batch = self._batches[id(cache)] = _Batch(cache)
+        batch.add(key, source, block_ids, payload, num_bytes)
+
+    def _load(self, key: str, cache: torch.Tensor, block_dim: int, source: torch.Tensor, keep: Sequence[int],
+              block_ids: Sequence[int]) -> None:
+        compute, side = self.device.current_stream(), self.device.side_stream()
+        shape = list(cache.shape)
+        shape[block_dim] = len(keep)
+        num_bytes = _block_bytes(cache, block_dim) * len(keep)
+        slot = self.ring.acquire()
+        try:
+            staged = _stage(slot.memory[:num_bytes], source, block_dim, keep).view(cache.dtype).view(shape)
+            index = torch.tensor(block_ids, dtype=torch.long).pin_memory()
+            with self.device.use(side):
+                side.wait_stream(compute)
+                on_device = self._staging_buffer()[:num_bytes].view(cache.dtype).view(shape)
+                on_device.copy_(staged, non_blocking=True)
+                cache.index_copy_(block_dim, index.to(self.device.device, non_blocking=True), on_device)
+                done = self.device.event()
+                done.record(side)
+        except BaseException:
+            self.ring.release(slot)
+            raise
+        self.ring.release(slot, done)
+        self._pending.setdefault(key, []).append((done, (index,)))
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device.device)
+        return self._staging
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Received frames of one layer, each a run of blocks in pinned memory, copied in together."""
+    cache: torch.Tensor
+    sources: list[torch.Tensor] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    payloads: list[memoryview] = field(default_factory=list)  # held until the copies completed
+    keys: set[str] = field(default_factory=set)
+    num_bytes: int = 0
+
+    def add(self, key: str, source: torch.Tensor, block_ids: Sequence[int], payload: memoryview,
+            num_bytes: int) -> None:
+        self.sources.append(source)
+        self.block_ids.extend(block_ids)
+        self.payloads.append(payload)
+        self.keys.add(key)
+        self.num_bytes += num_bytes
+
+
+def _run_of(keep: Sequence[int], block_dim: int) -> bool:
+    """Whether ``keep`` is consecutive blocks of a block-major payload (one run of bytes)."""
+    return block_dim == 0 and list(keep) == list(range(keep[0], keep[0] + len(keep)))
+
+
+def _stage(memory: torch.Tensor, source: torch.Tensor, block_dim: int, keep: Sequence[int]) -> torch.Tensor:
+    """Copy blocks ``keep`` of ``source`` into pinned ``memory``. Consecutive blocks of a block-major
+    payload are one run of bytes: a plain (multi-threaded) byte copy, several times faster than a
+    gather of bf16 blocks."""
+    first, count = keep[0], len(keep)
+    if _run_of(keep, block_dim):
+        rows = source.view(source.shape[0], -1).view(torch.uint8)
+        memory.view(count, -1).copy_(rows[first:first + count])
+    else:
+        shape = list(source.shape)
+        shape[block_dim] = count
+        torch.index_select(source, block_dim, torch.tensor(keep, dtype=torch.long),
+                           out=memory.view(source.dtype).view(shape))
+    return memory
+
+
+def _block_bytes(cache: torch.Tensor, block_dim: int) -> int:
+    return cache.numel() // cache.shape[block_dim] * cache.element_size()
+
+
+def _source(cache: torch.Tensor, block_dim: int, payload: memoryview) -> torch.Tensor:
+    shape = list(cache.shape)
+    shape[block_dim] = len(payload) // _block_bytes(cache, block_dim)
+    return torch.frombuffer(payload, dtype=torch.uint8).view(cache.dtype).view(shape)

@@ -520,3 +520,24 @@ def wait_for(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def _until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_both_ends_count_a_transfer_pending_until_it_ends_and_an_abort_ends_it(pair):
+    """A cancelled request's transfer must end on both ends, or its state stays for good."""
+    rx, tx, peer = pair()
+    tx.send(peer, "done", 0, 0, 0, 1, os.urandom(4096))
+    tx.send(peer, "cut", 0, 0, 0, 1, os.urandom(4096))
+    assert _until(lambda: rx.snapshot().transfers_receiving == 2 and tx.snapshot().transfers_sending == 2)
+    tx.finish(peer, "done")
+    assert isinstance(collect(rx, "done")[1], TransferDone)
+    assert _until(lambda: rx.snapshot().transfers_receiving == 1 and tx.snapshot().transfers_sending == 1)
+    tx.abort(peer, "cut", "request cancelled")
+    assert isinstance(collect(rx, "cut")[1], TransferFailed)
+    assert _until(lambda: rx.snapshot().transfers_receiving == 0 and tx.snapshot().transfers_sending == 0)

@@ -22,6 +22,8 @@ def check_deployment(config: DeploymentConfig) -> None:
     if config.router.max_handoffs_per_prefill_worker < 0:
         raise ConfigError("router.max_handoffs_per_prefill_worker: must be 0 (no limit) or positive, got "
                           f"{config.router.max_handoffs_per_prefill_worker!r}")
+    if config.router.max_migrations < 0:
+        raise ConfigError(f"router.max_migrations: must be 0 (never) or positive, got {config.router.max_migrations!r}")
     for key in ("grpc_max_message_bytes", "grpc_max_concurrent_streams"):
         if getattr(config.security, key) <= 0:
             raise ConfigError(f"security.{key}: must be positive, got {getattr(config.security, key)!r}")

@@ -97,6 +97,11 @@ class RouterConfig:
     request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
     stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
+    max_migrations: int = _opt(
+        2, "Times one request may move to another worker after its first token, when its decode worker fails "
+        "mid-stream (connection lost, or two polls in a row unanswered): the router sends the prompt and the "
+        "tokens generated so far to another worker and the client's stream goes on. 0: such a request ends "
+        "with an error.")
     max_handoffs_per_prefill_worker: int = _opt(
         8, "Hand-offs (a prompt prefilled on one worker, its KV streamed to a decode worker) one prefill worker is "
         "given at once, counted until the decode worker's first token. More wait at the router: a decode worker "

@@ -68,12 +68,25 @@ class PoolStoreSpec:
     end: int
 
 
+@dataclass(frozen=True, slots=True)
+class SendAbort:
+    """A producer request ended (aborted) before all of its KV was handed on: its transfer must end
+    on both ends, or the consumer's receive and the sender's state stay until a timeout."""
+
+    req_id: str
+    transfer_id: str
+    peer: str
+    peer_tp_size: int = 1
+
+
 @dataclass
 class PrfaasConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     # Transfers the engine no longer waits for (aborted, or nothing left to load).
     abandoned: list[str] = field(default_factory=list)
+    # Transfers this engine will not finish sending (their request was aborted).
+    aborted_sends: list[SendAbort] = field(default_factory=list)
     pool_loads: list[PoolLoadSpec] = field(default_factory=list)
     pool_stores: list[PoolStoreSpec] = field(default_factory=list)
     # Requests whose pool load the engine no longer waits for (aborted).

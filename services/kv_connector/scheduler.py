@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
+from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendAbort, SendSpec
 from services.kv_connector.params import KvTransfer
 from services.kv_connector.pool_scheduler import PoolPlanner
 from services.kv_connector.scheduled import scheduled_requests
@@ -38,6 +38,7 @@ class PrfaasConnectorScheduler:
         self._allocated: set[str] = set()
         self._recvs: list[RecvSpec] = []
         self._abandoned: list[str] = []
+        self._aborted_sends: list[SendAbort] = []
 
     def on_new_request(self, request: Any) -> None:
         params = KvTransfer.of(request.kv_transfer_params)
@@ -79,8 +80,9 @@ class PrfaasConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> PrfaasConnectorMetadata:
         meta = PrfaasConnectorMetadata(recvs=self._recvs, abandoned=self._abandoned,
+                                       aborted_sends=self._aborted_sends,
                                        idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._recvs, self._abandoned = [], []
+        self._recvs, self._abandoned, self._aborted_sends = [], [], []
         if self._pool is not None:
             self._pool.add_to_meta(meta)
         for step in scheduled_requests(scheduler_output):
@@ -100,7 +102,11 @@ class PrfaasConnectorScheduler:
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         """Blocks are always freed at once: sends copy their data, receives write on the engine thread."""
-        self._producing.pop(request.request_id, None)
+        producing = self._producing.pop(request.request_id, None)
+        if producing is not None and producing.num_sent_tokens < producing.num_tokens:
+            params = producing.params
+            self._aborted_sends.append(SendAbort(request.request_id, params.transfer_id, params.peer,
+                                                 params.peer_tp_size))
         self._allocated.discard(request.request_id)
         self._consuming.pop(request.request_id, None)
         if self._pool is not None:

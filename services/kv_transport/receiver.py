@@ -98,6 +98,12 @@ class Receiver:
         threading.Thread(target=self._io_loop, name="prfaas-kv-recv", daemon=True).start()
         logger.info("KV receiver listening on %s:%d", host, self.port)
 
+    @property
+    def num_pending(self) -> int:
+        """Transfers with frames received and no end yet."""
+        with self._lock:
+            return len(self._progress)
+
     def forget(self, transfer_id: str) -> None:
         """Drop a transfer's state; its late frames are discarded unread."""
         with self._lock:

@@ -104,6 +104,13 @@ class PeerLink:
 
     # Called by the user (any thread) ------------------------------------------------------------
 
+    @property
+    def num_pending(self) -> int:
+        """Transfers begun on this link and not yet completed or failed (a failed one is remembered
+        until its sender finishes it, so that its late frames are dropped, but it is over)."""
+        with self._cond:
+            return sum(1 for transfer in self._transfers.values() if not transfer.failed)
+
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
              payload: Bytes, on_sent: Callable[[], None] | None = None) -> None:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure).

@@ -73,6 +73,10 @@ class TransportSnapshot:
     bytes_received: int = 0
     frames_rejected: int = 0
     connections_refused: int = 0
+    # transfers begun and not yet ended (completed, failed or forgotten): a cancelled request's must
+    # go to 0, or its state leaks
+    transfers_receiving: int = 0
+    transfers_sending: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +85,9 @@ class TransportSnapshot:
     def from_dict(cls, data: Mapping[str, Any]) -> TransportSnapshot:
         return cls(peers=tuple(PeerSnapshot(**peer) for peer in data.get("peers", ())),
                    bytes_received=data.get("bytes_received", 0), frames_rejected=data.get("frames_rejected", 0),
-                   connections_refused=data.get("connections_refused", 0))
+                   connections_refused=data.get("connections_refused", 0),
+                   transfers_receiving=data.get("transfers_receiving", 0),
+                   transfers_sending=data.get("transfers_sending", 0))
 
     @classmethod
     def summed(cls, snapshots: Sequence[TransportSnapshot]) -> TransportSnapshot:
@@ -96,7 +102,9 @@ class TransportSnapshot:
                 for name in PeerSnapshot.__dataclass_fields__ if name != "peer"})
         return cls(peers=tuple(peers.values()), bytes_received=sum(s.bytes_received for s in snapshots),
                    frames_rejected=sum(s.frames_rejected for s in snapshots),
-                   connections_refused=sum(s.connections_refused for s in snapshots))
+                   connections_refused=sum(s.connections_refused for s in snapshots),
+                   transfers_receiving=sum(s.transfers_receiving for s in snapshots),
+                   transfers_sending=sum(s.transfers_sending for s in snapshots))
 
 
 @dataclass(slots=True)

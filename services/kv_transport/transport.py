@@ -101,11 +101,13 @@ class KVTransport:
         with self._links_lock:
             links = list(self._links.values())
         peers = tuple(link.telemetry.snapshot() for link in links)
+        sending = sum(link.num_pending for link in links)
         if self._receiver is None:
-            return TransportSnapshot(peers)
+            return TransportSnapshot(peers, transfers_sending=sending)
         return TransportSnapshot(peers, bytes_received=self._receiver.bytes_received,
                                  frames_rejected=self._receiver.frames_rejected,
-                                 connections_refused=self._receiver.connections_refused)
+                                 connections_refused=self._receiver.connections_refused,
+                                 transfers_receiving=self._receiver.num_pending, transfers_sending=sending)
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -2,7 +2,8 @@
 
 Before the first token nothing is lost yet, so failures there are retried: an unreachable decode
 worker is replaced by another one, and a failed remote prefill falls back to a local prefill on
-the same decode worker. After the first token a failure ends the request (``WorkerFailed``).
+the same decode worker. After the first token, a decode worker's failure moves the request to another
+worker with the tokens generated so far (``continuation``), and the client's stream goes on.
 
 The workers' state and their calls belong to ``workers.WorkerPool`` (leases, deadlines, the retry
 rule, gRPC's errors); the routing decision to ``placement.Placement``. This module sequences them
@@ -11,16 +12,22 @@ and raises domain errors, which the HTTP layer turns into responses.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from services.config import RouterConfig
 from services.kv_connector.params import consume
 from services.router.admission import PrefillQueues
+from services.router.continuation import Continuation, Detokenize, StopScan
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
-from services.router.workers import GenerateCall, Lease, PrefillFailed, WorkerPool, WorkerUnavailable
+from services.router.workers import (GenerateCall, Lease, PrefillFailed, WorkerError, WorkerFailed, WorkerPool,
+                                     WorkerRejected, WorkerUnavailable)
 from services.scheduling.placement import PromptCache, Route
 from services.worker_api.types import GenerateInput, TokenDelta
+
+
+logger = logging.getLogger(__name__)
 
 
 class NoWorkerAvailable(Exception):
@@ -39,32 +46,96 @@ class Plan:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, config: RouterConfig, metrics: RouterMetrics, placement: Placement,
-                 queues: PrefillQueues | None = None) -> None:
+                 queues: PrefillQueues | None = None, detokenize: Detokenize | None = None) -> None:
+        """``detokenize``: the model's detokenizer, for the text a failed worker held back (without
+        it, a moved request may lose the few characters a stop string's margin held)."""
         self._pool = pool
         self._config = config
         self._metrics = metrics
         self._queues = queues
         self._placement = placement
+        self._detokenize = detokenize
         self.on_request: list[Callable[[int], None]] = []
 
-    async def plan(self, request: GenerateInput) -> Plan:
+    async def plan(self, request: GenerateInput, exclude: frozenset[str] = frozenset()) -> Plan:
         """What is cached of the prompt and where the request goes (None: no worker can take it)."""
         cache, block_hashes = await self._placement.prompt_cache(request.prompt_token_ids)
-        return Plan(cache, block_hashes, self._placement.route(request.request_id, cache, block_hashes))
+        return Plan(cache, block_hashes, self._placement.route(request.request_id, cache, block_hashes, exclude))
 
     async def generate(self, request: GenerateInput, plan: Plan | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's deltas on ``plan``'s route (planned here when not given). Raises
-        NoWorkerAvailable, WorkerRejected or WorkerError before the first delta, WorkerFailed after.
-        Each ``on_request`` callback first gets the prompt's length (once per request, not per retry).
+        NoWorkerAvailable, WorkerRejected or WorkerError before the first delta. When the decode worker
+        fails after it, the request moves to another worker (at most ``max_migrations`` times) and the
+        stream goes on; WorkerFailed when it cannot. Each ``on_request`` callback first gets the
+        prompt's length (once per request, not per retry or move).
 
         Closing the iterator cancels the gRPC calls, which aborts the request on the workers.
         """
-        tried: set[str] = set()
-        num_tokens = len(request.prompt_token_ids)
         for callback in self.on_request:
-            callback(num_tokens)
-        num_committed = num_tokens + request.sampling.max_tokens
+            callback(len(request.prompt_token_ids))
         plan = plan or await self.plan(request)
+        progress = Continuation(request, self._detokenize)
+        failed: set[str] = set()
+        current, moved_by, scan = request, None, None
+        while True:
+            try:
+                async for delta in self._serve(current, plan, failed, moved_by):
+                    if scan is not None:
+                        delta = scan.feed(progress.resumed(delta))
+                    progress.record(delta)
+                    yield delta
+                    if scan is not None and scan.stopped:
+                        return
+                return
+            except WorkerFailed as failure:
+                if not failure.worker:  # a move that found no worker to go on
+                    raise
+                failed.add(failure.worker)
+                following, moved_by = self._move(progress, failure), failure.reason
+            if following is None:  # every token was out already: only the stream's end was lost
+                yield TokenDelta(progress.held_text(), (), "length", progress.num_prompt_tokens,
+                                 progress.num_cached_tokens)
+                return
+            current = following
+            scan = StopScan(request.sampling.stop, progress.held_text())
+            plan = await self.plan(current, exclude=frozenset(failed))
+
+    def _move(self, progress: Continuation, failure: WorkerFailed) -> GenerateInput | None:
+        """The request another worker goes on with after ``failure`` (None: no token is left to
+        generate); raises ``failure`` when the request may not move again."""
+        if progress.num_moves >= self._config.max_migrations:
+            self._metrics.migrations.labels(failure.reason, "limit").inc()
+            raise failure
+        following = progress.next_input()
+        if following is None:
+            self._metrics.migrations.labels(failure.reason, "finished").inc()
+            return None
+        logger.warning("request %s: %s after %d tokens; moving it to another worker (move %d)",
+                       progress.request.request_id, failure, len(progress.token_ids), progress.num_moves)
+        return following
+
+    async def _serve(self, request: GenerateInput, plan: Plan, exclude: set[str],
+                     moved_by: str | None) -> AsyncIterator[TokenDelta]:
+        """One worker's deltas: the planned route, or another one while workers fail before their first
+        token (``max_attempts`` in all). Raises WorkerFailed after the first delta, and instead of
+        NoWorkerAvailable, WorkerRejected or WorkerError for a request that moved (``moved_by``: the
+        reason), whose client has its first tokens already."""
+        try:
+            async for delta in self._attempts(request, plan, exclude):
+                if moved_by is not None:
+                    self._metrics.migrations.labels(moved_by, "resumed").inc()
+                    moved_by = None
+                yield delta
+        except (NoWorkerAvailable, WorkerRejected, WorkerError) as exc:
+            if moved_by is None:
+                raise
+            self._metrics.migrations.labels(moved_by, "failed").inc()
+            raise WorkerFailed(f"no worker could continue the request: {exc}", moved_by, "") from None
+
+    async def _attempts(self, request: GenerateInput, plan: Plan, exclude: set[str]) -> AsyncIterator[TokenDelta]:
+        tried = set(exclude)
+        num_tokens = len(request.prompt_token_ids)
+        num_committed = num_tokens + request.sampling.max_tokens
         for attempt in range(self._config.max_attempts):
             route = plan.route if attempt == 0 else \
                 self._placement.route(request.request_id, plan.cache, plan.block_hashes, frozenset(tried))

@@ -68,6 +68,11 @@ class RouterMetrics:
                                "Remote prefills that failed and were redone locally.")
     worker_retries = Metric(Counter, "prfaas_router_worker_retries_total",
                             "Requests moved to another worker before their first token.")
+    migrations = Metric(Counter, "prfaas_router_migrations_total",
+                        "Requests whose decode worker failed mid-stream, by the failure (reason: the gRPC status, "
+                        "or unanswered_polls) and what followed (outcome: resumed on another worker, finished "
+                        "when every token was already out, failed when no worker could go on, limit past "
+                        "router.max_migrations).", ("reason", "outcome"))
     admitted = Metric(Counter, "prfaas_router_admitted_requests_total",
                       "Requests admitted, by QoS class.", ("qos_class",))
     rejected = Metric(Counter, "prfaas_router_rejected_requests_total",

@@ -47,7 +47,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     control = _threshold_control(config, pool, metrics, queues)
     threshold = control.controller if control else FixedThreshold(scheduler.offload_threshold_tokens)
     placement = Placement(config, pool, metrics, index, threshold=threshold)
-    dispatcher = Dispatcher(pool, config.router, metrics, placement, queues)
+    dispatcher = Dispatcher(pool, config.router, metrics, placement, queues, tokenizer.continuation_text)
     if control is not None:
         pool.on_poll.append(control.on_poll)
         if control.reoptimizer is not None:

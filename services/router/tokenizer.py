@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 from services.engine.args import checkpoint_config
@@ -23,6 +24,15 @@ class PromptTokenizer:
             check_token_ids(request.prompt, self.vocab_size)
             return list(request.prompt)
         return await asyncio.to_thread(self._encode_sync, request)
+
+    def continuation_text(self, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+        """The text of ``new_ids`` when they follow ``context_ids`` (as the engine's detokenizer writes
+        it, special tokens skipped): what a decode worker that failed mid-stream may not have sent."""
+        prefix = self._tokenizer.decode(list(context_ids), skip_special_tokens=True)
+        full = self._tokenizer.decode(list(context_ids) + list(new_ids), skip_special_tokens=True)
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return self._tokenizer.decode(list(new_ids), skip_special_tokens=True)
 
     def _encode_sync(self, request: ApiRequest) -> list[int]:
         if request.kind == "chat":

@@ -53,7 +53,13 @@ class WorkerError(Exception):
 
 
 class WorkerFailed(Exception):
-    """A worker failed after it had already streamed output (the request cannot be moved)."""
+    """A worker failed after it had already streamed output; ``reason`` names how (the gRPC status in
+    lower case, or ``unanswered_polls``). The dispatcher may move the request to another worker."""
+
+    def __init__(self, message: str, reason: str, worker: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.worker = worker
 
 
 class PrefillFailed(Exception):
@@ -221,14 +227,33 @@ class GenerateCall:
         raise WorkerUnavailable(self._handle.name)
 
     async def rest(self) -> AsyncIterator[TokenDelta]:
-        """The deltas after the first; raises WorkerFailed when the worker fails meanwhile."""
+        """The deltas after the first; raises WorkerFailed when the worker fails meanwhile: its call
+        ends with an error, or it leaves ``UNANSWERED_POLLS`` of the router's polls in a row
+        unanswered while the stream waits (a hung process or a dead link). Either backs it off."""
+        name = self._handle.name
         try:
-            while (message := await self._call.read()) is not grpc.aio.EOF:
+            while (message := await self._next()) is not grpc.aio.EOF:
                 yield convert.delta_from_proto(message)
         except grpc.aio.AioRpcError as exc:
-            raise WorkerFailed(f"worker {self._handle.name} failed mid-request: {exc.code().name}") from None
+            self._pool.mark_unreachable(self._handle)
+            raise WorkerFailed(f"worker {name} failed mid-request: {exc.code().name}", exc.code().name.lower(),
+                               name) from None
         finally:
             self._call.cancel()
+
+    async def _next(self):
+        read = asyncio.ensure_future(self._call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self._pool.config.stats_interval_s)
+                if done:
+                    return read.result()
+                if self._handle.num_unanswered_polls >= UNANSWERED_POLLS:
+                    self._pool.mark_unreachable(self._handle)
+                    raise WorkerFailed(f"worker {self._handle.name} stopped answering mid-request", "unanswered_polls",
+                                       self._handle.name)
+        finally:
+            read.cancel()
 
 
 class PrefillCall:

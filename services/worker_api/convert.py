@@ -94,6 +94,8 @@ def stats_to_proto(stats: EngineStats, **identity: object) -> pb.WorkerStats:
         kv_bytes_received=transport.bytes_received,
         kv_frames_rejected=transport.frames_rejected,
         kv_connections_refused=transport.connections_refused,
+        kv_transfers_receiving=transport.transfers_receiving,
+        kv_transfers_sending=transport.transfers_sending,
         kv_pool_tokens_loaded=pool.tokens_loaded,
         kv_pool_tokens_stored=pool.tokens_stored,
         kv_pool_loads_failed=pool.loads_failed,
@@ -123,7 +125,8 @@ def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
         kv_connections_refused=msg.kv_connections_refused, kv_pool_tokens_loaded=msg.kv_pool_tokens_loaded,
         kv_pool_tokens_stored=msg.kv_pool_tokens_stored, kv_pool_loads_failed=msg.kv_pool_loads_failed,
         kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected),
-        layout_spec=msg.layout_spec, kv_protocol_version=msg.kv_protocol_version)
+        layout_spec=msg.layout_spec, kv_protocol_version=msg.kv_protocol_version,
+        kv_transfers_receiving=msg.kv_transfers_receiving, kv_transfers_sending=msg.kv_transfers_sending)
 
 
 def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_tp_size: int = 1) -> pb.PrefillRequest:

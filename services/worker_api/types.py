@@ -91,3 +91,5 @@ class WorkerStats:
     grpc_rejected: Mapping[str, int] = field(default_factory=dict)
     layout_spec: bytes = b""  # the rank-0 LayoutSpec as announced (services/kv_connector/layouts/spec.py)
     kv_protocol_version: int = 0  # the KV wire protocol the worker speaks; 0: not announced
+    kv_transfers_receiving: int = 0  # KV transfers begun and not ended (0 at rest)
+    kv_transfers_sending: int = 0

@@ -389,3 +389,25 @@ def _wait(condition, timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_producer_aborted_mid_prompt_ends_its_transfer_and_a_finished_one_does_not(scheduler):
+    """The consumer would hold its receive (and the sender its state) until a timeout otherwise."""
+    from services.kv_connector.metadata import SendAbort
+    from services.kv_connector.params import produce
+
+    def params(transfer):
+        return transfer.to_extra_args()["kv_transfer_params"]
+
+    cut = _request("cut", 4 * BLOCK + 1, kv_transfer_params=params(produce("t-cut", "10.0.0.2:7000", 2)))
+    whole = _request("whole", BLOCK + 1, seed=1, kv_transfer_params=params(produce("t-whole", "10.0.0.2:7000")))
+    for request in (cut, whole):
+        request._all_token_ids = list(request.prompt_token_ids)  # as vLLM's Request has them
+        scheduler.on_new_request(request)
+    scheduler.build_connector_meta(_step(new=[("cut", [[1, 2, 3, 4]], 0), ("whole", [[5]], 0)],
+                                         scheduled={"cut": BLOCK, "whole": BLOCK}))
+    scheduler.request_finished(cut)    # aborted after its first chunk of four
+    scheduler.request_finished(whole)  # its whole prompt was handed on
+    meta = scheduler.build_connector_meta(_step())
+    assert meta.aborted_sends == [SendAbort("cut", "t-cut", "10.0.0.2:7000", 2)]
+    assert scheduler.build_connector_meta(_step()).aborted_sends == []

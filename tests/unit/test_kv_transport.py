@@ -538,3 +538,17 @@ def test_a_payload_of_a_failed_transfer_is_released_too(pair):
     released = threading.Event()
     tx.send("127.0.0.1:1", "t-lost", 0, 0, 0, 4, os.urandom(4 * 4096), on_sent=released.set)
     assert released.wait(10.0)
+
+
+def test_both_ends_count_a_transfer_pending_until_it_ends_and_an_abort_ends_it(pair):
+    """A cancelled request's transfer must end on both ends, or its state stays for good."""
+    rx, tx, peer = pair()
+    tx.send(peer, "done", 0, 0, 0, 1, os.urandom(4096))
+    tx.send(peer, "cut", 0, 0, 0, 1, os.urandom(4096))
+    assert wait_for(lambda: rx.snapshot().transfers_receiving == 2 and tx.snapshot().transfers_sending == 2, 5.0)
+    tx.finish(peer, "done")
+    assert isinstance(collect(rx, "done")[1], TransferDone)
+    assert wait_for(lambda: rx.snapshot().transfers_receiving == 1 and tx.snapshot().transfers_sending == 1, 5.0)
+    tx.abort(peer, "cut", "request cancelled")
+    assert isinstance(collect(rx, "cut")[1], TransferFailed)
+    assert wait_for(lambda: rx.snapshot().transfers_receiving == 0 and tx.snapshot().transfers_sending == 0, 5.0)

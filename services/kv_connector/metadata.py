@@ -77,6 +77,7 @@ class SendAbort:
     transfer_id: str
     peer: str
     peer_tp_size: int = 1
+    started: bool = True  # some of its KV was handed on (so the transfer exists on the wire)
 
 
 @dataclass

@@ -106,7 +106,7 @@ class PrfaasConnectorScheduler:
         if producing is not None and producing.num_sent_tokens < producing.num_tokens:
             params = producing.params
             self._aborted_sends.append(SendAbort(request.request_id, params.transfer_id, params.peer,
-                                                 params.peer_tp_size))
+                                                 params.peer_tp_size, started=producing.num_sent_tokens > 0))
         self._allocated.discard(request.request_id)
         self._consuming.pop(request.request_id, None)
         if self._pool is not None:

@@ -30,7 +30,7 @@ from services.kv_connector.forwarder import Forwarder
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block
 from services.kv_connector.layouts.apply import attention_view, slice_attention, slice_state, state_page
 from services.kv_connector.layouts.spec import Layer, LayoutSpec
-from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
+from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendAbort, SendSpec
 from services.kv_connector.layouts.reblock import Reblocker, ReblockPlans, announcement
 from services.kv_connector.layouts.tp_routes import (
     Route,
@@ -160,12 +160,34 @@ class PrfaasConnectorWorker:
                 # vLLM keeps an aborted request's blocks until its receive is reported finished.
                 self._released.add(receiving.spec.req_id)
             self._forget(transfer_id, "abandoned by the engine")
+        for aborted in meta.aborted_sends:
+            self._abort_send(aborted)
         self._sends = meta.sends
         self._destinations_of = {}
         self._unannounced = {send.transfer_id for send in meta.sends if send.start == 0}
         self._idle_step = meta.idle
 
     # Producer --------------------------------------------------------------------------------
+
+    def _abort_send(self, aborted: SendAbort) -> None:
+        """Ends a transfer whose request was aborted before all its KV was sent: an ABORT frame tells
+        the consumer (which drops its receive at once instead of at its idle timeout), and the sender
+        forgets it. Ordered after the copies already queued for it, which the sender then drops."""
+        self._deferred.pop(aborted.transfer_id, None)
+        if not aborted.started or self.streams is None:
+            return  # nothing of it is on the wire
+        destinations = self._plan_destinations(aborted)
+
+        def abort() -> None:
+            for peer, wire, _ in destinations:
+                self.streams.abort(peer, wire, "the request ended before its KV was sent")
+                self.streams.finish(peer, wire)  # a failed transfer's END only releases the sender's state
+            logger.debug("request %s: KV send aborted", aborted.transfer_id)
+
+        if self._saver is not None:
+            self._saver.then(abort)
+        else:
+            abort()
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._sends:

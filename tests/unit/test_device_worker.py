@@ -85,3 +85,29 @@ def test_a_layer_split_over_ring_slots_arrives_whole_and_before_the_end():
     assert producer._saver.ring.num_free == 4
     producer.shutdown()
     consumer.shutdown()
+
+
+class _AbortingWire(_Wire):
+    def abort(self, peer, transfer_id, reason) -> None:
+        self.frames.append(("abort", transfer_id, reason))
+
+
+def test_a_send_aborted_mid_prompt_ends_on_the_wire_after_its_queued_copies():
+    from services.kv_connector.metadata import SendAbort
+
+    block_bytes = HEADS * TOKENS * 2 * HEAD * 2
+    producer = _worker(True, 3 * block_bytes)
+    producer.streams = _AbortingWire()
+    producer._saver = LayerSaver(producer._saver.device, producer._saver.ring, threaded=True)
+    blocks = (tuple(range(1, 20)),)
+    producer.on_metadata(PrfaasConnectorMetadata(sends=[SendSpec("r", "t", "peer", blocks, 0, 128, NUM_TOKENS)]))
+    for layer in ("a", "b"):
+        producer.save_kv_layer(layer)
+    producer.wait_for_save()  # a first chunk only: no end queued
+    producer.on_metadata(PrfaasConnectorMetadata(aborted_sends=[SendAbort("r", "t", "peer"),
+                                                                SendAbort("q", "never-sent", "peer", started=False)]))
+    producer.flush()
+    frames = producer.streams.frames
+    assert frames[-2][:2] == ("abort", "t") and isinstance(frames[-1], TransferDone)
+    assert all(isinstance(f, Frame) for f in frames[:-2])  # the copies queued before went first
+    assert not any("never-sent" in str(f) for f in frames)

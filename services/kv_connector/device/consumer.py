@@ -23,12 +23,17 @@ from services.kv_connector.device.streams import Device
 from services.kv_transport.receiver import heap_buffer
 
 
+COPY, WRITE = 1, 2  # the loader's side streams (host-to-device copies, writes into the cache); 0 is the saver's
+
+
 class BlockLoader:
     def __init__(self, device: Device, ring: HostRing, receive_ring: HostRing | None = None) -> None:
         self.device = device
         self.ring = ring
         self.receive_ring = receive_ring
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []  # two on the device: a batch's copy in, the last one's write
+        self._staging_free: list[Any] = [None, None]  # when the write that read each one completed
+        self._turn = 0
         self._pending: dict[str, list[tuple[Any, tuple]]] = {}  # key -> (done event, what its copy reads)
         self._batches: dict[int, _Batch] = {}  # by layer (its cache's id): received frames not yet copied in
 
@@ -78,7 +83,8 @@ class BlockLoader:
         requests reported before their copies completed (failed ones), whose blocks vLLM may reuse."""
         self.flush()
         if self.device.is_cuda:
-            self.device.current_stream().wait_stream(self.device.side_stream())
+            self.device.current_stream().wait_stream(self.device.side_stream(WRITE))
+            self.device.current_stream().wait_stream(self.device.side_stream(COPY))
 
     def _is_pinned(self, source: torch.Tensor) -> bool:
         return self.receive_ring is not None and self.receive_ring.holds(source.data_ptr())
@@ -89,23 +95,36 @@ class BlockLoader:
             self._flush(batch)
 
     def _flush(self, batch: "_Batch") -> None:
+        """The batch's frames go host-to-device on the copy stream into one of two staging buffers,
+        and into their blocks on the write stream: the next batch's copy in overlaps this write."""
         del self._batches[id(batch.cache)]
-        compute, side = self.device.current_stream(), self.device.side_stream()
+        compute, copy, write = self.device.current_stream(), self.device.side_stream(COPY), \
+            self.device.side_stream(WRITE)
         index = torch.tensor(batch.block_ids, dtype=torch.long)
         index = index.pin_memory() if self.device.is_cuda else index
-        with self.device.use(side):
-            side.wait_stream(compute)
-            staging, offset = self._staging_buffer(), 0
+        turn, self._turn = self._turn, 1 - self._turn
+        with self.device.use(copy):
+            copy.wait_stream(compute)  # the zeroing of new blocks, reads of reused ones
+            if self._staging_free[turn] is not None:
+                copy.wait_event(self._staging_free[turn])  # the write that last read this buffer
+            staging, offset = self._staging_buffer(turn), 0
             for source in batch.sources:
                 num_bytes = source.numel() * source.element_size()
                 target = staging[offset:offset + num_bytes].view(source.dtype).view(source.shape)
                 target.copy_(source, non_blocking=True)
                 offset += num_bytes
+            on_device_index = index.to(self.device.device, non_blocking=True)
+            copied = self.device.event()
+            copied.record(copy)
+        with self.device.use(write):
+            write.wait_event(copied)
             shape = (len(batch.block_ids), *batch.cache.shape[1:])
             on_device = staging[:offset].view(batch.cache.dtype).view(shape)
-            batch.cache.index_copy_(0, index.to(self.device.device, non_blocking=True), on_device)
+            batch.cache.index_copy_(0, on_device_index, on_device)
             done = self.device.event()
-            done.record(side)
+            done.record(write)
+        self._staging_free[turn] = done
+        self.device.keep_alive(on_device_index, write)
         held = (index, batch.payloads)
         for key in batch.keys:
             self._pending.setdefault(key, []).append((done, held))
@@ -125,7 +144,7 @@ class BlockLoader:
 
     def _load(self, key: str, cache: torch.Tensor, block_dim: int, source: torch.Tensor, keep: Sequence[int],
               block_ids: Sequence[int]) -> None:
-        compute, side = self.device.current_stream(), self.device.side_stream()
+        compute, side = self.device.current_stream(), self.device.side_stream(COPY)
         shape = list(cache.shape)
         shape[block_dim] = len(keep)
         num_bytes = _block_bytes(cache, block_dim) * len(keep)
@@ -135,7 +154,8 @@ class BlockLoader:
             index = torch.tensor(block_ids, dtype=torch.long).pin_memory()
             with self.device.use(side):
                 side.wait_stream(compute)
-                on_device = self._staging_buffer()[:num_bytes].view(cache.dtype).view(shape)
+                side.wait_stream(self.device.side_stream(WRITE))  # no batch's write still reads the buffer
+                on_device = self._staging_buffer(0)[:num_bytes].view(cache.dtype).view(shape)
                 on_device.copy_(staged, non_blocking=True)
                 cache.index_copy_(block_dim, index.to(self.device.device, non_blocking=True), on_device)
                 done = self.device.event()
@@ -146,10 +166,10 @@ class BlockLoader:
         self.ring.release(slot, done)
         self._pending.setdefault(key, []).append((done, (index,)))
 
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device.device)
-        return self._staging
+    def _staging_buffer(self, turn: int) -> torch.Tensor:
+        while len(self._staging) <= turn:
+            self._staging.append(torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device.device))
+        return self._staging[turn]
 
 
 @dataclass(slots=True)

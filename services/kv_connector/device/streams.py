@@ -36,21 +36,22 @@ class CpuStream:
 
 
 class Device:
-    """Where the KV cache lives. ``side_stream`` is one long-lived, lowest-priority stream per
-    ``Device`` (copies yield to the forward's kernels); ``event`` makes events for it."""
+    """Where the KV cache lives. ``side_stream`` is a long-lived, lowest-priority stream per
+    ``Device`` and ``which`` (copies yield to the forward's kernels; a second one lets host-to-device
+    copies overlap the writes into the cache); ``event`` makes events for them."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
-        self._side: Any = None
+        self._sides: dict[int, Any] = {}
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.is_cuda else CpuStream()
 
-    def side_stream(self) -> Any:
-        if self._side is None:
-            self._side = self._new_side_stream()
-        return self._side
+    def side_stream(self, which: int = 0) -> Any:
+        if which not in self._sides:
+            self._sides[which] = self._new_side_stream()
+        return self._sides[which]
 
     def _new_side_stream(self) -> Any:
         if not self.is_cuda:

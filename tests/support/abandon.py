@@ -61,6 +61,9 @@ def abandon(base_url: str, api_key: str, body: dict, hang_up: Callable[[bytes], 
             if not chunk or b"data: [DONE]" in received + chunk:
                 return False
             received += chunk
+            status = received.split(b" ", 2)[1] if received.count(b" ") >= 2 else b""
+            if status and status != b"200":
+                raise RuntimeError(f"the router refused the request: {received[:500]!r}")
         raise TimeoutError(f"the moment to hang up did not come in {timeout_s:.0f} s")
     finally:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN

@@ -17,6 +17,13 @@ def layout_key(model: str, fingerprint: str) -> str:
     return f"{model}{LAYOUT_MARK}{fingerprint}"
 
 
+def rank_key(model: str, rank: int, tp_size: int) -> str:
+    """The pool key of one TP rank's share of an engine's blocks (its KV heads, its state shares):
+    ``model`` (a ``layout_key``) when the engine has one rank, else a key of its own per rank, so the
+    shares of one block never meet under one key. It names the same layout to the router."""
+    return model if tp_size == 1 else f"{model}/tp{rank}of{tp_size}"
+
+
 def has_layout(model: str) -> bool:
     """Whether a model key names a layout (an engine's); the router's keys name only the model."""
     return LAYOUT_MARK in model

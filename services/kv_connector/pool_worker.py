@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class PoolWorker:
-    def __init__(self, io, model: PoolModel) -> None:
+    def __init__(self, io, model: PoolModel, rank: int = 0) -> None:
         self._io = io
         self.model = model
+        self.key = model.key(rank)  # this TP rank's share of each block
         self.layout: KVLayout | None = None
         self._loads: dict[str, tuple[PoolLoadSpec, Future]] = {}
         self._released: set[str] = set()
@@ -43,7 +44,7 @@ class PoolWorker:
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
         for spec in meta.pool_loads:
-            self._loads[spec.req_id] = (spec, self._io.start_get(self.model.model, self._refs(spec)))
+            self._loads[spec.req_id] = (spec, self._io.start_get(self.key, self._refs(spec)))
         for req_id in meta.pool_abandoned:
             if (load := self._loads.pop(req_id, None)) is not None:
                 load[1].cancel()
@@ -57,7 +58,7 @@ class PoolWorker:
         stores, self._stores = self._stores, []
         for spec in stores:
             copies = self._copy_out(spec)
-            future = self._io.start_put(self.model.model, lambda spec=spec, copies=copies: self._blocks(spec, copies))
+            future = self._io.start_put(self.key, lambda spec=spec, copies=copies: self._blocks(spec, copies))
             future.add_done_callback(lambda f, spec=spec: self._on_stored(spec, f))
 
     def _copy_out(self, spec: PoolStoreSpec) -> dict[int, list[tuple[LayerInfo, torch.Tensor]]]:

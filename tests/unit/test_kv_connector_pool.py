@@ -328,6 +328,30 @@ def test_pool_io_round_trip_over_grpc(pool_server):
         io.close()
 
 
+def test_tp_ranks_keep_their_shares_under_keys_of_their_own_and_a_prefix_needs_every_share(pool_server):
+    """At TP 2 each rank stores its share of a block under its own key; the engine's lookup asks for
+    both ranks' and counts only the prefix that both hold (one rank's share alone is no hit)."""
+    model = PoolModel("tiny/1", BLOCK, HYBRID.groups, tp_size=2)
+    assert model.key(0) != model.key(1) and model.key(0).startswith(model.model)
+    assert PoolModel("tiny/1", BLOCK, HYBRID.groups).key(0) == "tiny/1"  # one rank: the layout key itself
+    running = pool_server(name="pool-local")
+    io = PoolIO(f"127.0.0.1:{running.port}", lookup_timeout_s=2.0)
+    try:
+        hashes = tuple(prompt_block_hashes(list(range(3 * BLOCK)), BLOCK))
+
+        def share(rank: int, count: int) -> list[Block]:
+            return [Block(g, h, bytes([rank, i]) * 4) for i, h in enumerate(hashes[:count]) for g in (0, 1)]
+
+        io.start_put(model.key(0), lambda: share(0, 3)).result(5)
+        assert io.start_lookup(*model.queries(hashes)).result(5).num_usable_blocks == 0
+        io.start_put(model.key(1), lambda: share(1, 2)).result(5)
+        assert io.start_lookup(*model.queries(hashes)).result(5).num_usable_blocks == 2
+        assert io.start_get(model.key(1), [(1, hashes[1])]).result(5) == [share(1, 2)[3]]
+        assert io.start_get(model.key(0), [(1, hashes[1])]).result(5) == [share(0, 3)[3]]
+    finally:
+        io.close()
+
+
 def test_blocks_go_through_the_pools_arena_straight_from_and_into_the_kv_tensors(pool_server, tmp_path):
     arena = Arena.create(str(tmp_path), "pool-local", 4 << 20)
     pool = CachePool(4 << 20, arena=arena)

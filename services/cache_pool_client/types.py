@@ -107,15 +107,18 @@ class Block:
 @dataclass(frozen=True, slots=True)
 class Pieces:
     """A block's bytes as consecutive buffers (e.g. one per layer), copied piece by piece into the
-    pool's slots without ever being joined; ``len`` is their total size, ``bytes()`` joins them."""
+    pool's slots without ever being joined; ``len`` is their total size, ``bytes()`` joins them. A
+    part is a buffer, or an object that copies itself (``nbytes``, ``copy_into``, ``bytes()``: device
+    memory, see ``arena.copy_runs``)."""
 
     parts: tuple
 
     def __len__(self) -> int:
-        return sum(memoryview(part).nbytes for part in self.parts)
+        return sum(part.nbytes if hasattr(part, "copy_into") else memoryview(part).nbytes for part in self.parts)
 
     def __bytes__(self) -> bytes:
-        return b"".join(memoryview(part).cast("B") for part in self.parts)
+        return b"".join(bytes(part) if hasattr(part, "copy_into") else memoryview(part).cast("B")
+                        for part in self.parts)
 
 
 def pieces_of(data) -> tuple:

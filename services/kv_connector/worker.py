@@ -268,8 +268,10 @@ class PrfaasConnectorWorker:
                                   self.layout.block_size[layer.group])
             block_bytes = sum(view[0, p.src_start:p.src_start + p.num_units].numel() for p in pieces) \
                 * view.element_size()
+            # runs of at most one frame: the transport splits a payload by whole blocks, which would
+            # cut across the pieces of a payload that holds several
             self._saver.save_made(partial(_sliced_blocks, view, pieces), block_bytes, ids,
-                                  self._deliverer(send, peer, wire, layer, first))
+                                  self._deliverer(send, peer, wire, layer, first), self._frame_bytes())
 
     def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int):
         """The saver's ``deliver`` for one layer's blocks from block ``first`` of the request on."""
@@ -296,6 +298,10 @@ class PrfaasConnectorWorker:
                 page_bytes = sum(state_piece_bytes(page, spec_layer, piece) for piece in pieces)
                 self._saver.save_made(partial(_sliced_page, page, spec_layer, pieces), page_bytes, [block],
                                       self._deliverer(send, peer, wire, layer, 0))
+
+    def _frame_bytes(self) -> int | None:
+        settings = getattr(self.streams, "settings", None)
+        return min(settings.frame_bytes, settings.max_frame_bytes) if settings is not None else None
 
     def _spec_layer(self, layer: LayerInfo) -> Layer:
         return self._spec_layers[layer.name]

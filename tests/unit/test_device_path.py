@@ -126,6 +126,10 @@ def test_bytes_cut_out_of_the_cache_go_in_slot_sized_runs_of_blocks():
     for first, count, payload in got:
         assert payload == heads(ids[first:first + count]).view(torch.uint8).numpy().tobytes()
     assert ring.num_free == 2
+    got.clear()
+    saver.save_made(heads, block_bytes, ids, deliver, max_run_bytes=block_bytes + 1)  # one frame's worth
+    saver.flush()
+    assert [g[:2] for g in got] == [(i, 1) for i in range(len(ids))]
     with pytest.raises(ValueError, match="does not fit"):
         saver.save_made(heads, ring.slot_bytes + 1, ids, deliver)
     saver.close()

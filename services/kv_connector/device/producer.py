@@ -72,11 +72,12 @@ class LayerSaver:
             self._queue_copy(cache, block_dim, block_ids[first:first + per_slot], first, deliver, side)
 
     def save_made(self, make: Callable[[Sequence[int]], torch.Tensor], block_bytes: int, block_ids: Sequence[int],
-                  deliver: Deliver) -> None:
+                  deliver: Deliver, max_run_bytes: int | None = None) -> None:
         """As ``save``, for bytes that ``make(ids)`` cuts out of the cache (a contiguous tensor of
-        ``block_bytes`` per block of ``ids``: e.g. the heads a consumer of another TP size gets).
-        ``make`` runs on the engine thread with the side stream current, so its kernels run there,
-        after the layer; its result is copied into a slot and kept until that copy completed."""
+        ``block_bytes`` per block of ``ids``: e.g. the heads a consumer of another TP size gets), in
+        runs of blocks of at most a slot (and ``max_run_bytes``, but at least one block). ``make``
+        runs on the engine thread with the side stream current, so its kernels run there, after the
+        layer; its result is copied into a slot and kept until that copy completed."""
         if not block_ids:
             return
         ready = self.device.event()
@@ -84,6 +85,8 @@ class LayerSaver:
         side = self.device.side_stream()
         side.wait_event(ready)
         per_slot = self._per_slot(block_bytes)
+        if max_run_bytes is not None:
+            per_slot = min(per_slot, max(1, max_run_bytes // block_bytes))
         for first in range(0, len(block_ids), per_slot):
             ids = block_ids[first:first + per_slot]
             slot = self.ring.acquire()

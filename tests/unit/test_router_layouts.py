@@ -39,7 +39,8 @@ WORKERS = [
     (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable",
      "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32] need re-blocking, which needs both attention caches in "
      "one layout of vLLM's CPU kernels or GPU backends (announced: unknown -> unknown)"),
-    (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=TOKEN_ROWS).to_bytes(), "mappable", ""),
+    (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=TOKEN_ROWS).to_bytes(),
+     "mappable", ""),
     (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(),
      "unmappable", "announced: kv-token-rows -> cpu-k-transposed"),
     (CPU_16, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),

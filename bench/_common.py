@@ -28,6 +28,11 @@ from support.wan import wan_path  # noqa: E402
 stop_on_signals()
 
 
+def results_dir(name: str) -> Path:
+    """``bench/results/<name>-<local time>``, where a benchmark writes what it keeps (git ignores it)."""
+    return ROOT / "bench" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def require(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:

@@ -1,6 +1,6 @@
 # `make up` runs the embedded default deployment; `make test` runs the test suite (docs/testing.md).
 # Both set up their own environment first (scripts/bootstrap.sh; safe to repeat).
-.PHONY: setup up test test-image coverage lint docs proto image image-cpu image-cuda
+.PHONY: setup up test test-image coverage lint bench docs proto image image-cpu image-cuda
 
 setup:
 	@scripts/bootstrap.sh
@@ -31,6 +31,13 @@ lint: setup
 	.venv/bin/mypy services/scheduling services/kv_transport services/planner services/config \
 		services/worker_api/types.py services/kv_connector/params.py services/kv_connector/snapshot.py
 	.venv/bin/hadolint deploy/container/Containerfile deploy/container/Containerfile.cuda
+
+# Every benchmark that finishes within minutes, one after another (bench/run_all.py, about 20 minutes on
+# a 2-core host): the table of their headlines in bench/results/<time>.md (and .json), each figure beside
+# the previous run's. Arguments through BENCH, e.g. `make bench BENCH="--only chaos,sim_vs_real"` for
+# the long ones, which run only by name.
+bench: setup
+	.venv/bin/python bench/run_all.py $(BENCH)
 
 # Generated documentation: the configuration reference and the architecture's layer diagram.
 docs: setup

@@ -28,6 +28,11 @@ from support.wan import wan_path  # noqa: E402
 stop_on_signals()
 
 
+def results_dir(name: str) -> Path:
+    """``bench/results/<name>-<local time>``, where a benchmark writes what it keeps (git ignores it)."""
+    return ROOT / "bench" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def require(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:
@@ -92,10 +97,14 @@ def median(values) -> float:
     return statistics.median(values)
 
 
-def verdict(name: str, ratio: float, target: float, detail: str, higher_is_better: bool = True) -> int:
+def verdict(name: str, ratio: float, target: float, detail: str, higher_is_better: bool = True,
+            baseline: str = "") -> int:
+    """The headline, printed last: ``<name>: <figure> (<detail>)[; baseline <baseline>]; target <op>
+    <target>: PASS|FAIL`` (bench/_headlines.py reads it back); the exit status, 0 when it passed."""
     ok = ratio >= target if higher_is_better else ratio <= target
     sign = ">=" if higher_is_better else "<="
-    print(f"{name}: {ratio:.3f} ({detail}); target {sign} {target}: {'PASS' if ok else 'FAIL'}")
+    against = f"; baseline {baseline}" if baseline else ""
+    print(f"{name}: {ratio:.3f} ({detail}){against}; target {sign} {target}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

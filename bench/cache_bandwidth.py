@@ -135,7 +135,8 @@ async def run(rounds: int, num_blocks: int) -> int:
                    min(put_ratio, get_ratio), TARGET_RATIO,
                    f"put {put_ratio:.3f}x, get {get_ratio:.3f}x: medians put {median(puts):.2f}, get "
                    f"{median(gets):.2f}, torch copy {copy:.2f} GB/s; {num_blocks} blocks of "
-                   f"{BLOCK_BYTES / 2**20:.2f} MiB per round, {rounds} rounds")
+                   f"{BLOCK_BYTES / 2**20:.2f} MiB per round, {rounds} rounds",
+                   baseline=f"torch copy {copy:.2f} GB/s")
 
 
 def main() -> int:

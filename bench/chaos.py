@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
-from _common import ROOT
+from _common import results_dir
 from support.baseline import greedy_margins
 from support.deployment import Deployment, deployment_config
 from support.netns import available, run_command
@@ -733,7 +733,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.minutes <= 0 or args.rate <= 0 or args.deadline <= 0:
         parser.error("--minutes, --rate and --deadline must be positive")
     args.fault_names = names
-    args.out = args.out or ROOT / "bench" / "results" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out = args.out or results_dir("chaos")
     return args
 
 

@@ -21,19 +21,24 @@ need on a small machine). Steps:
    the kernel's network work for them): on this machine they share the engines' cores, and the
    simulator slows the engines by the share they take at each load
    (``simulation.host_cpu_s_per_request``; the engines' own processes are what the profile measured).
+   A noisy reading is bounded by what the project's own processes spent (``_host_cpu.py``); the
+   figure used, and why, is printed.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
    simulator replays the very requests it sent (``prfaas simulate --replay``: each arrival time and
-   prompt length).
+   prompt length). Below the knee, a load runs again with new prompts while the 95% interval of the
+   prediction's error in throughput or mean TTFT is wider than half its tolerance, ``--max-runs``
+   runs at most (``_sim_rows.py``: the intervals, pooled request by request).
 
 Compared: throughput (completions per second over the arrival window after its first 10%, as the
 simulator counts it), the offloaded fraction (the router's counters against the simulator's
 routing), mean TTFT, and whether the queue grows (requests waiting for their first token, late in
 the window against early: the same function on both sides). Targets: throughput and offloaded
 fraction within 10% at every load, mean TTFT within 25% at the two lower loads, a growing queue on
-both sides at the overload point. Writes ``<out>/sim_vs_real.json`` and ``<out>/sim_vs_real.png``.
-Needs root (namespaces).
+both sides at the overload point. The table prints each error with its interval. Writes
+``<out>/sim_vs_real.json`` and ``<out>/sim_vs_real.png``, ``<out>`` by default
+``bench/results/sim_vs_real-<time>``. Needs root (namespaces).
 
     python bench/sim_vs_real.py                     # 120 s per load
     python bench/sim_vs_real.py --seconds 60 --loads 0.3,0.7,1.5
@@ -47,13 +52,15 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import yaml
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
-from services.engine.shm_ledger import descendants
+import _host_cpu
+from _common import results_dir
+from _sim_rows import TARGETS, PerRequest, Segment, compare, plot, pooled_row, table, tested, too_wide
 from support.deployment import Deployment, deployment_config
 from support.netns import available, veth_link
 from support.ports import free_port
@@ -74,11 +81,10 @@ WARMUP_REQUESTS = 4
 CALIBRATION_SHARES = (0.13, 0.4)
 CALIBRATION_REQUESTS = 45       # at the higher calibration load, at least: its length follows from the knee
 KNEE_REQUESTS = 20_000
-TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
 # Every load sends prompts of its own (seed + its index; the calibration's from seed + 100): a prompt sent
 # before would find its KV in the engines' prefix caches, which on a slow machine hold a whole light load.
 CALIBRATION_SEED = 100
-GROWING = 1.0                   # requests: mean queue late in the window minus early, to call it growing
+SEGMENT_SEED = 1000             # a load's later runs: seed + its index + this x the run's number
 
 
 def make_config() -> dict:
@@ -196,22 +202,27 @@ def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
     return simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
 
 
-def predict(inputs, rtt_ms: float, replay, host_cpu_s: float) -> dict:
+def predict(inputs, rtt_ms: float, replay, host_cpu_s: float) -> tuple[dict, PerRequest]:
+    """The simulator's figures for the replayed requests, and per request (in replay order) its TTFT
+    and whether it completed inside the throughput window."""
     from services.simulator.engine import simulate
 
     rate = len(replay) / max(replay[-1][0], 1e-9)
     result = simulate(run_spec(inputs, rtt_ms, rate, len(replay), replay, host_cpu_s=host_cpu_s))
     summary = result.summary()
-    ttfts = list(result.ttfts)
-    return {"throughput": summary["throughput"], "offloaded_fraction": summary["offloaded_fraction"],
-            "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(list(result.arrivals), ttfts)}
+    ttfts, arrivals = list(result.ttfts), list(result.arrivals)
+    predicted = {"throughput": summary["throughput"], "offloaded_fraction": summary["offloaded_fraction"],
+                 "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(arrivals, ttfts)}
+    return predicted, PerRequest.of(arrivals, ttfts, list(result.finish_times))
 
 
 # --- the measurement ------------------------------------------------------------------------------
 
-def measure(deployment: Deployment, rate: float, seconds: float, seed: int, out: Path) -> tuple[dict, list]:
-    """One load-generator run; its figures and the requests it sent as (arrival s, prompt tokens)."""
-    path = out / f"loadgen-{rate:.3f}.json"
+def measure(deployment: Deployment, rate: float, seconds: float, seed: int,
+            out: Path) -> tuple[dict, list, PerRequest]:
+    """One load-generator run; its figures, the requests it sent as (arrival s, prompt tokens), and per
+    request (in arrival order) its TTFT and whether it completed inside the throughput window."""
+    path = out / f"loadgen-{rate:.3f}-seed{seed}.json"
     argv = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", deployment.base_url,
             "--dataset", "lognormal", "--length-scale", str(LENGTH_SCALE), "--output-len", str(OUTPUT_TOKENS),
             "--ignore-eos", "--temperature", "0", "--request-rate", f"{rate:.4f}", "--duration", str(seconds),
@@ -225,59 +236,27 @@ def measure(deployment: Deployment, rate: float, seconds: float, seed: int, out:
     starts, ttfts, e2els = result["start_times"], result["ttfts"], result["e2els"]
     lengths = [used or asked for used, asked in zip(result["usage_prompt_tokens"], result["input_lens"])]
     first = min(starts)
-    arrivals = [s - first for s in starts]
-    window = max(arrivals)
-    begin = 0.1 * window
-    done = sum(1 for a, e in zip(arrivals, e2els) if begin < a + e <= window)
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    arrivals = [starts[i] - first for i in order]
+    requests = PerRequest.of(arrivals, [ttfts[i] for i in order], [a + e2els[i] for a, i in zip(arrivals, order)])
     router = result.get("router_metrics") or {}
-    measured = {"throughput": done / (window - begin), "offloaded_fraction": router.get("offloaded_fraction"),
-                "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(arrivals, ttfts),
-                "requests": len(starts), "rate": len(starts) / window}
-    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
-    return measured, [(arrivals[i], float(lengths[i])) for i in order]
+    measured = {"throughput": requests.throughput, "offloaded_fraction": router.get("offloaded_fraction"),
+                "ttft_mean": statistics.fmean(ttfts), "queue_growth": queue_growth(arrivals, requests.ttfts),
+                "requests": len(starts), "rate": len(starts) / max(arrivals)}
+    return measured, [(a, float(lengths[i])) for a, i in zip(arrivals, order)], requests
 
 
 def serving_cpu_per_request(deployment: Deployment, rates: tuple[float, float], seconds: float, seed: int,
-                            out: Path) -> float:
-    """CPU seconds per request that the engines' cores spend on anything but the engines: the busy time
-    of this process's cores (``/proc/stat``: user, system, interrupts and soft interrupts, such as the
-    network stack carrying the KV over the namespace's link) less the CPU of vLLM's engine processes.
-    That is the router, the workers' front ends, the load generator, the kernel's work for them, and
-    whatever else runs on the host. Two light loads of equal length; the difference between them per
-    request leaves out what does not grow with requests (the load generator's start-up, idle polling,
-    the host's background)."""
-    cores = os.sched_getaffinity(0)
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def others() -> float:
-        busy = 0
-        for line in Path("/proc/stat").read_text().splitlines():
-            name, *values = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, values[:8])
-                busy += user + nice + system + irq + softirq + steal
-        engines = 0
-        for pid in descendants(os.getpid()) - {os.getpid()}:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-            if name.startswith("VLLM::"):
-                engines += int(fields[11]) + int(fields[12])
-        return (busy - engines) / tick
-
+                            out: Path) -> _host_cpu.Choice:
+    """CPU seconds per request that the engines' cores spend on anything but the engines, from two
+    light loads of equal length (``_host_cpu``: what is read, and how a noisy reading is bounded)."""
     used, sent = [], []
     for index, rate in enumerate(rates):
-        before = others()
-        _, replay = measure(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
-        used.append(others() - before)
+        before = _host_cpu.read()
+        _, replay, _ = measure(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
+        used.append(_host_cpu.read() - before)
         sent.append(len(replay))
-    if sent[1] <= sent[0]:
-        print(f"sim_vs_real: the calibration loads sent {sent[0]} and {sent[1]} requests: too few to tell the CPU per "
-              "request apart; counting none (a longer --calibration-seconds measures it)", flush=True)
-        return 0.0
-    return max(0.0, (used[1] - used[0]) / (sent[1] - sent[0]))
+    return _host_cpu.choose((used[0], used[1]), (sent[0], sent[1]))
 
 
 def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
@@ -292,59 +271,24 @@ def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
     return mean_waiting(0.75 * window, window) - mean_waiting(0.25 * window, 0.5 * window)
 
 
-# --- the verdict ------------------------------------------------------------------------------------
-
-def compare(rows: list[dict]) -> tuple[float, list[str]]:
-    """The worst ratio of error to its target (<= 1 passes) and what failed."""
-    worst, failures = 0.0, []
-    for index, row in enumerate(rows):
-        real, sim = row["measured"], row["predicted"]
-        keys = ["throughput", "offloaded_fraction"] + (["ttft_mean"] if index < len(rows) - 1 else [])
-        for key in keys:
-            error = abs(sim[key] - real[key]) / real[key] if real[key] else abs(sim[key])
-            row.setdefault("errors", {})[key] = error
-            worst = max(worst, error / TARGETS[key])
-            if error > TARGETS[key]:
-                failures.append(f"{key} at {row['share']:.2f}x the knee: predicted {sim[key]:.3f}, measured "
-                                f"{real[key]:.3f} ({error:.0%} off, target {TARGETS[key]:.0%})")
-    last = rows[-1]
-    for side in ("measured", "predicted"):
-        if last[side]["queue_growth"] < GROWING:
-            failures.append(f"overload: the {side} queue does not grow ({last[side]['queue_growth']:+.1f} requests)")
-    return worst, failures
-
-
-def table(rows: list[dict]) -> str:
-    lines = [f"{'load':>14} {'rate':>6} | {'throughput req/s':^19} | {'offloaded':^13} | {'mean TTFT s':^15} | "
-             f"{'queue growth':^13}",
-             f"{'':>14} {'req/s':>6} | {'real':>9} {'sim':>9} | {'real':>6} {'sim':>6} | {'real':>7} {'sim':>7} | "
-             f"{'real':>6} {'sim':>6}"]
-    for row in rows:
-        real, sim = row["measured"], row["predicted"]
-        lines.append(f"{row['share']:>6.2f}x knee {real['rate']:>6.3f} | {real['throughput']:>9.3f} "
-                     f"{sim['throughput']:>9.3f} | {real['offloaded_fraction']:>6.3f} "
-                     f"{sim['offloaded_fraction']:>6.3f} | {real['ttft_mean']:>7.3f} {sim['ttft_mean']:>7.3f} | "
-                     f"{real['queue_growth']:>+6.1f} {sim['queue_growth']:>+6.1f}")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(13, 4))
-    rates = [row["measured"]["rate"] for row in rows]
-    for axis, key, title in zip(axes, ("throughput", "offloaded_fraction", "ttft_mean"),
-                                ("throughput (req/s)", "offloaded fraction", "mean TTFT (s)")):
-        axis.plot(rates, [row["measured"][key] for row in rows], "o-", label="measured")
-        axis.plot(rates, [row["predicted"][key] for row in rows], "s--", label="simulated")
-        axis.set_xlabel("offered load (req/s)")
-        axis.set_title(title)
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+def run_load(deployment: Deployment, inputs, args, index: int, rate: float, host_cpu_s: float) -> dict:
+    """The ``index``-th load: run, replayed in the simulator, and run again with new prompts while a figure
+    it tests has too wide an interval, ``--max-runs`` at most (the overload point runs once)."""
+    share, started, segments = args.shares[index], time.monotonic(), []
+    overload = index == len(args.shares) - 1
+    while True:
+        seconds = max(args.seconds, args.min_requests / rate)
+        seed = args.seed + index + SEGMENT_SEED * len(segments)
+        measured, replay, real = measure(deployment, rate, seconds, seed, args.out)
+        predicted, sim = predict(inputs, args.rtt_ms, replay, host_cpu_s)
+        segments.append(Segment(measured, predicted, real, sim))
+        row = pooled_row(share, rate, segments)
+        elapsed = time.monotonic() - started
+        wide = too_wide(row, tested(index, len(args.shares)))
+        print(f"sim_vs_real: {share:g}x the knee, run {len(segments)}: {row['measured']['requests']} requests in "
+              f"{elapsed:.0f} s" + (f"; interval still wide for {', '.join(wide)}" if wide else ""), flush=True)
+        if overload or not wide or len(segments) >= args.max_runs:
+            return row
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -364,7 +308,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
-    parser.add_argument("--out", type=Path, default=Path("sim_vs_real"), help="output directory")
+    parser.add_argument("--max-runs", type=int, default=2,
+                        help="a load below the knee runs again (new prompts, once the last drained) while the "
+                        "interval of a figure it tests is wider than half that figure's tolerance, at most this "
+                        "many runs in all (default: %(default)s; the overload point runs once)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: bench/results/sim_vs_real-<time>; an earlier run's resumes "
+                        "its profile)")
     parser.add_argument("--quick", action="store_true",
                         help="profile with `prfaas profile --quick` (prompts up to 1,024 tokens, extrapolated)")
     parser.add_argument("--shared-profile-cache", action="store_true",
@@ -372,8 +322,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "however old, instead of measuring the engine in this run (default: measure, a few minutes)")
     args = parser.parse_args(argv)
     args.shares = [float(x) for x in args.loads.split(",")]
-    if len(args.shares) < 2 or args.seconds < 20:
-        parser.error("--loads: need at least two shares (the last is the overload point); --seconds at least 20")
+    args.out = args.out or results_dir("sim_vs_real")
+    if len(args.shares) < 2 or args.seconds < 20 or args.max_runs < 1:
+        parser.error("--loads: need at least two shares (the last is the overload point); --seconds at least 20; "
+                     "--max-runs at least 1")
     return args
 
 
@@ -402,27 +354,28 @@ def main(argv=None) -> int:
             seconds = args.calibration_seconds or max(30.0, CALIBRATION_REQUESTS / rates[-1])
             print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each ...",
                   flush=True)
-            host_cpu_s = serving_cpu_per_request(deployment, rates, seconds, args.seed, args.out)
+            host_cpu = serving_cpu_per_request(deployment, rates, seconds, args.seed, args.out)
+            host_cpu_s = host_cpu.cpu_s
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
-                  f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend {host_cpu_s * 1e3:.1f} ms "
-                  "of CPU per request", flush=True)
+                  f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend {host_cpu.describe()}",
+                  flush=True)
             for index, share in enumerate(args.shares):
-                started = time.monotonic()
-                seconds = max(args.seconds, args.min_requests / (share * knee))
-                measured, replay = measure(deployment, share * knee, seconds, args.seed + index, args.out)
-                predicted = predict(inputs, args.rtt_ms, replay, host_cpu_s)
-                rows.append({"share": share, "offered_rate": share * knee, "measured": measured,
-                             "predicted": predicted})
-                print(f"sim_vs_real: {share:g}x the knee done in {time.monotonic() - started:.0f} s", flush=True)
+                rows.append(run_load(deployment, inputs, args, index, share * knee, host_cpu_s))
         finally:
             deployment.stop()
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
         {"knee_req_s": knee, "targets": TARGETS, "host_cpu_s_per_request": host_cpu_s,
+         "host_cpu_calibration": asdict(host_cpu),
          "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu_s)), "rows": rows},
         indent=2))
     plot(rows, args.out / "sim_vs_real.png")
     print(table(rows))
+    for index, row in enumerate(rows):
+        if wide := too_wide(row, tested(index, len(rows))):
+            print(f"note: at {row['share']:g}x the knee the interval of {', '.join(wide)} is wider than half its "
+                  f"tolerance after {row['segments']} run(s) (--max-runs {args.max_runs}): more runs would "
+                  "say more")
     for failure in failures:
         print("FAIL:", failure)
     verdict = "PASS" if not failures else "FAIL"

@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import verdict  # noqa: E402
 from services.planner.inputs import load_plan_inputs  # noqa: E402
 from services.planner.report import run_plan  # noqa: E402
 from services.simulator.engine import simulate  # noqa: E402
@@ -42,9 +43,8 @@ def main() -> int:
     print(f"simulated {args.requests:,} requests ({summary['arrival_window_s']:,.0f} s of traffic) "
           f"in {wall_s:.2f} s wall; throughput {summary['throughput']:.3f} of {summary['realized_rate']:.3f} "
           f"req/s offered, P90 TTFT {summary['ttft_s']['p90']:.2f} s")
-    verdict = "PASS" if speed >= TARGET_REQUESTS_PER_S else "FAIL"
-    print(f"simulator speed: {speed:,.0f} simulated req/s (target >= {TARGET_REQUESTS_PER_S:,}): {verdict}")
-    return 0 if verdict == "PASS" else 1
+    return verdict("simulator speed, simulated requests per wall second", speed, TARGET_REQUESTS_PER_S,
+                   f"{args.requests:,} requests in {wall_s:.2f} s")
 
 
 if __name__ == "__main__":

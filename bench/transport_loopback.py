@@ -82,7 +82,7 @@ def main() -> int:
     ours_gbps, theirs_gbps = median(r.gbps for r in ours), median(r.gbps for r in theirs)
     return verdict("transport loopback goodput vs iperf3", ours_gbps / theirs_gbps, 0.90,
                    f"median {ours_gbps:.2f} vs {theirs_gbps:.2f} Gbit/s, 1 GiB in {NUM_LAYERS} layers, "
-                   f"{args.connections} connections")
+                   f"{args.connections} connections", baseline=f"iperf3 {theirs_gbps:.2f} Gbit/s")
 
 
 if __name__ == "__main__":

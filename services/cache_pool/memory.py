@@ -5,7 +5,7 @@ What to evict is ``eviction.py``'s decision; this tier only keeps the order it d
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from services.cache_pool_client.arena import footprint
 from services.cache_pool_client.types import BlockKey
@@ -18,6 +18,11 @@ class MemoryLru:
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
+
+    @property
+    def contains(self) -> Callable[[BlockKey], bool]:
+        """The membership test itself (the dict's, no Python frame per call), for walks over many keys."""
+        return self._blocks.__contains__
 
     def __len__(self) -> int:
         return len(self._blocks)

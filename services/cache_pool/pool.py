@@ -52,11 +52,16 @@ class CachePool:
         """Whether a prefix-cache block is stored in any tier (transfer blocks never count)."""
         return key in self._memory or (self.ssd is not None and key in self.ssd)
 
+    @property
+    def _membership(self) -> Callable[[BlockKey], bool]:
+        """``contains`` at its fastest: without an SSD tier, the memory tier's own test."""
+        return self._memory.contains if self.ssd is None else self.contains
+
     def lookup(self, query: LookupQuery) -> LookupResult:
         """The longest usable prefix of the query's prompt (see ``usable_prefix``); index only. A model
         key without a layout (the router's) is answered for the best of the layouts stored under that
         name; ``result.model`` is the key the answer is for."""
-        results = [usable_prefix(replace(query, model=model), self.contains)
+        results = [usable_prefix(replace(query, model=model), self._membership)
                    for model in self._layouts.candidates(query.model)]
         result = max(results, key=lambda r: (r.num_usable_blocks, r.num_full_attention_blocks))
         self._count_lookup(query, result)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat, takewhile
 
 from services.cache_pool_client.types import BlockKey, LookupQuery, LookupResult
 
@@ -29,12 +30,10 @@ def _full_attention_run(query: LookupQuery, contains: Contains) -> int:
 
 
 def _stored_run(query: LookupQuery, group_id: int, contains: Contains, limit: int) -> int:
-    """How many of the first ``limit`` blocks the group has stored in a row."""
-    model, block_hashes = query.model, query.block_hashes
-    for i in range(limit):
-        if not contains((model, group_id, block_hashes[i])):
-            return i
-    return limit
+    """How many of the first ``limit`` blocks the group has stored in a row. The keys are made and
+    tested from C: given a dict's own membership test, the walk makes no Python call per block."""
+    keys = zip(repeat(query.model), repeat(group_id), query.block_hashes[:limit])
+    return len(list(takewhile(contains, keys)))
 
 
 def _last_linear_state(query: LookupQuery, contains: Contains, num_blocks: int) -> int:

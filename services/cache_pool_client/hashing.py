@@ -7,8 +7,9 @@ agree between them, not with the engine's own prefix cache. Two algorithms:
 
 - ``xxh3`` (the default): one streaming xxh3-128 over a namespace (``b"prfaas-pool-v1"`` and the
   block size) followed by the token ids as little-endian uint32, digested at every block boundary.
-  Each digest covers everything before it, which is the chain. ~0.6 ms for a 128K-token prompt at
-  128 tokens per block, most of it turning the token list into bytes. xxh3 is not built to resist
+  Each digest covers everything before it, which is the chain. ~0.9 ms for a 128K-token prompt at
+  128 tokens per block on a 2-core EPYC, about 0.7 of it turning the token list into bytes (reading
+  each Python int, ~5 ns a token); the 1024 updates and digests take the rest. xxh3 is not built to resist
   crafted collisions (as vLLM's own ``xxhash`` prefix caching option); a deployment whose tenants
   must not be able to poison each other's prefixes uses ``vllm-sha256``.
 - ``vllm-sha256``: exactly vLLM's default prefix caching chain (``vllm/v1/core/kv_cache_utils.py``,
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy
 import xxhash
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -44,19 +46,17 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, algorithm: st
 
 
 def xxh3_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Token ids must be in [0, 2**32) (``OverflowError`` otherwise)."""
+    """Token ids must be in [0, 2**32) (``OverflowError`` otherwise). One conversion of the whole
+    prompt, then the blocks as rows of a numpy view, each fed to the hasher and digested without a
+    Python-level call per block (``map`` drives ``update``)."""
     tokens = array.array("I", token_ids)
+    num_blocks = len(tokens) // block_size
+    rows = numpy.frombuffer(tokens, numpy.uint32, num_blocks * block_size).reshape(num_blocks, block_size)
     if sys.byteorder == "big":
-        tokens.byteswap()
-    data = memoryview(tokens).cast("B")
+        rows = rows.byteswap()
     hasher = xxhash.xxh3_128(XXH3_NAMESPACE + block_size.to_bytes(4, "little"))
-    update, digest = hasher.update, hasher.digest
-    step = block_size * tokens.itemsize
-    hashes = []
-    for start in range(0, len(tokens) // block_size * step, step):
-        update(data[start:start + step])
-        hashes.append(digest())
-    return hashes
+    digest = hasher.digest
+    return [digest() for _ in map(hasher.update, rows)]
 
 
 def vllm_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

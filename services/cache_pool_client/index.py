@@ -43,6 +43,9 @@ class GlobalCacheIndex:
 
     async def lookup(self, query: LookupQuery) -> dict[str, LookupResult]:
         """Usable prefix per cluster; called by the router per request, may wait up to ``timeout_s``."""
+        if len(self._clients) == 1:  # one pool: asked directly, without a task to gather
+            (cluster,) = self._clients
+            return {cluster: await self._lookup_one(cluster, query)}
         results = await asyncio.gather(*(self._lookup_one(cluster, query) for cluster in self._clients))
         return dict(zip(self._clients, results))
 

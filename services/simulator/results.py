@@ -43,13 +43,17 @@ class SimResult:
         return self.arrivals[-1] if self.num_requests else 0.0
 
     @property
+    def finish_times(self) -> array:
+        """Each request's last token: recorded per instance, else its first token plus the decode time."""
+        if self.finishes is not None:
+            return self.finishes
+        return array("d", (a + t + self.decode_s for a, t in zip(self.arrivals, self.ttfts)))
+
+    @property
     def throughput(self) -> float:
         """Completions per second over the arrival window after warm-up."""
         start, end = WARMUP_FRACTION * self.arrival_window_s, self.arrival_window_s
-        if self.finishes is not None:
-            done = sum(1 for f in self.finishes if start < f <= end)
-        else:
-            done = sum(1 for a, t in zip(self.arrivals, self.ttfts) if start < a + t + self.decode_s <= end)
+        done = sum(1 for f in self.finish_times if start < f <= end)
         return done / (end - start) if end > start else 0.0
 
     @property

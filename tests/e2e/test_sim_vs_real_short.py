@@ -1,6 +1,6 @@
 """bench/sim_vs_real.py in short (two loads of 20 s, or of 6 requests where the machine's knee is low,
-after two calibration loads of 6 s, the quick profile from the shared point cache), so the benchmark
-cannot rot. The full comparison is `python bench/sim_vs_real.py` (about 17 minutes with its profile).
+each run once, after two calibration loads of 6 s, the quick profile from the shared point cache), so
+the benchmark cannot rot. The full comparison is `python bench/sim_vs_real.py` (about 17 minutes with its profile).
 
 Not its targets (20 s of load is too little for them), but what must hold at any length: the router
 and the simulator route the very same requests, so their offloaded fractions are equal; below the
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
-                          "--min-requests", "6", "--loads",
+                          "--min-requests", "6", "--max-runs", "1", "--loads",
                           "0.3,2.0", "--calibration-seconds", "6", "--quick", "--shared-profile-cache",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)

@@ -1,6 +1,8 @@
 """The cache pool core: prefix matching, the hybrid usable-prefix rule, LRU bytes, transfer blocks."""
 import pytest
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 from support.cache_pool import (
     BLOCK_SIZE, DENSE_GROUPS, FULL, HYBRID_GROUPS, LINEAR, MODEL, blocks, hashes, payload, prompt, query,
 )
@@ -31,6 +33,19 @@ def test_xxh3_hash_of_block_i_is_the_hash_of_the_prefix_up_to_its_end():
     assert hashes(tokens) == expected
     assert prompt_block_hashes(tokens, 2 * BLOCK_SIZE)[0] != expected[1]  # the block size is part of the key
     assert prompt_block_hashes(tuple(tokens), BLOCK_SIZE) == expected
+
+
+def reference_xxh3_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """The definition, one block at a time: the one-shot xxh3-128 of the namespace and every token before
+    the block's end."""
+    head = XXH3_NAMESPACE + block_size.to_bytes(4, "little")
+    return [xxhash.xxh3_128_digest(head + b"".join(t.to_bytes(4, "little") for t in tokens[:end]))
+            for end in range(block_size, len(tokens) + 1, block_size)]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300), st.integers(1, 70))
+def test_xxh3_hashes_equal_the_one_shot_definition(tokens, block_size):
+    assert prompt_block_hashes(tokens, block_size) == reference_xxh3_hashes(tokens, block_size)
 
 
 def test_hash_algorithm_and_token_range_are_checked():

@@ -1,0 +1,52 @@
+"""bench/sim_vs_real.py's pieces that need no deployment: the host-CPU calibration's choice, the
+intervals of the prediction's error, a load's runs pooled into one row."""
+import random
+
+import pytest
+from support.bench import bench_module
+
+host_cpu, intervals, rows = bench_module("_host_cpu"), bench_module("_intervals"), bench_module("_sim_rows")
+Reading, choose = host_cpu.Reading, host_cpu.choose
+paired_error_interval, proportion_interval = intervals.paired_error_interval, intervals.proportion_interval
+PerRequest, Segment, pooled_row, too_wide = rows.PerRequest, rows.Segment, rows.pooled_row, rows.too_wide
+
+
+@pytest.mark.parametrize("low, high, sent, expected_ms, says", [
+    (Reading(2.0, 1.0), Reading(4.0, 2.0), (20, 60), 50.0, "the cores' estimate"),
+    (Reading(5.0, 1.0), Reading(4.0, 2.5), (20, 60), 37.5, "fell below"),        # was silently 0
+    (Reading(0.5, 1.0), Reading(4.0, 2.5), (20, 60), 66.7, "exceeds"),
+    (Reading(1.0, 1.0), Reading(1.5, 1.2), (30, 30), 40.0, "too few to tell apart"),
+])
+def test_host_cpu_is_never_silently_zero(low, high, sent, expected_ms, says):
+    choice = choose((low, high), sent)
+    assert choice.cpu_s * 1e3 == pytest.approx(expected_ms, abs=0.1)
+    assert says in choice.reason and says in choice.describe()
+
+
+def test_the_paired_interval_holds_the_error_and_narrows_with_requests():
+    rng = random.Random(3)
+    real = [rng.expovariate(1.0) for _ in range(2000)]
+    predicted = [t * 1.2 + rng.gauss(0, 0.3) for t in real]
+    few, many = paired_error_interval(real[:100], predicted[:100]), paired_error_interval(real, predicted)
+    assert few.low < 0.2 < few.high and many.low < 0.2 < many.high
+    assert many.half_width < few.half_width / 2
+    share = proportion_interval(0.3, 200)
+    assert share.low < 0.3 < share.high and proportion_interval(0.3, 2000).half_width < share.half_width
+
+
+def segment(ttfts_real, ttfts_sim, done_real, done_sim) -> Segment:
+    n = len(ttfts_real)
+    measured = {"requests": n, "offloaded_fraction": 0.5, "queue_growth": 0.0}
+    per = [PerRequest(list(t), list(d), 10.0, 9.0) for t, d in ((ttfts_real, done_real), (ttfts_sim, done_sim))]
+    return Segment(measured, {"offloaded_fraction": 0.5, "queue_growth": 0.0}, *per)
+
+
+def test_a_load_pools_its_runs_request_by_request():
+    first = segment([1.0] * 20, [1.1] * 20, [1] * 18 + [0, 0], [1] * 18 + [0, 0])
+    second = segment([3.0] * 20, [3.3] * 20, [1] * 20, [1] * 20)
+    row = pooled_row(0.7, 2.0, [first, second])
+    assert row["segments"] == 2 and row["measured"]["requests"] == 40
+    assert row["measured"]["ttft_mean"] == pytest.approx(2.0) and row["predicted"]["ttft_mean"] == pytest.approx(2.2)
+    assert row["intervals"]["ttft_mean"]["estimate"] == pytest.approx(0.1)
+    assert row["measured"]["throughput"] == pytest.approx(38 / 18) == row["predicted"]["throughput"]
+    assert too_wide(row, ["throughput", "offloaded_fraction", "ttft_mean"]) == []

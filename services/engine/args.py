@@ -38,7 +38,7 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig, stats_dir
                                  logging={"service": worker.name, "level": config.logging.level,
                                           "json_lines": config.logging.json},
                                  stats_dir=str(stats_dir) if stats_dir is not None else None,
-                                 **cache_pool_settings(config, worker))
+                                 code_sends=worker.cluster == "prfaas", **cache_pool_settings(config, worker))
     return KVTransferConfig(
         kv_connector="PrfaasConnector",
         kv_connector_module_path="services.kv_connector.connector",

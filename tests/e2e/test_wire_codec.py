@@ -6,13 +6,10 @@ measures how close they stay. Here: every request completes on the PrfaaS path w
 the link carries about half the attention bytes, and decoding stays on the model's track."""
 from __future__ import annotations
 
-import asyncio
-import random
-
-import openai
 import pytest
 
 from support.baseline import colocated_greedy
+from support.completions import greedy_completions, random_prompt
 from support.deployment import deployment_config
 from support.ports import free_port
 
@@ -28,37 +25,21 @@ STATE_PAGES = 3  # Gated-DeltaNet layers, one state page of at most ATTENTION_PA
 
 @pytest.fixture(scope="module")
 def cluster(start_deployment):
-    engine = {"max_num_batched_tokens": BUDGET, "enable_prefix_caching": False}
-    config = deployment_config(
-        [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "engine": engine,
-          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
-         {"name": "pd-d", "service": "decode_worker", "role": "decode", "kv_port": free_port(),
-          "engine": {**engine, "max_num_seqs": 4}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
-        model_path=f"builtin:{MODEL}", model_name=MODEL,
-        scheduler={"offload_threshold_tokens": 200}, transport={"secret": "e2e-codec", "codec": "fp8"},
-    )
-    return start_deployment(config, "codec")
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(length)]
-
-
-def _completions(deployment, prompts):
-    async def run():
-        async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0,
-                                      timeout=300) as client:
-            return await asyncio.gather(*(client.completions.create(
-                model=MODEL, prompt=p, max_tokens=OUTPUT_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-                for p in prompts))
-
-    return asyncio.run(run())
+    """A PrfaaS prefill worker on CPU 0 and a decode worker on CPU 1, both offering fp8."""
+    engine = {"max_num_batched_tokens": BUDGET, "enable_prefix_caching": False, "max_num_seqs": 4}
+    prefill = {"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas"}
+    decode = {"name": "pd-d", "service": "decode_worker", "role": "decode", "kv_port": free_port()}
+    workers = [{**worker, "engine": engine, "env": {"VLLM_CPU_OMP_THREADS_BIND": cpu}}
+               for worker, cpu in ((prefill, "0"), (decode, "1"))]
+    transport = {"secret": "e2e-codec", "codec": "fp8"}
+    return start_deployment(deployment_config(workers, model_path=f"builtin:{MODEL}", model_name=MODEL,
+                                              scheduler={"offload_threshold_tokens": 200}, transport=transport),
+                            "codec")
 
 
 def test_fp8_kv_crosses_the_link_at_half_the_attention_bytes_and_requests_complete(cluster):
-    prompts = [_prompt(n, seed=3500 + i) for i, n in enumerate(LENGTHS)]
-    replies = _completions(cluster, prompts)
+    prompts = [random_prompt(n, seed=3500 + i) for i, n in enumerate(LENGTHS)]
+    replies = greedy_completions(cluster, MODEL, prompts, OUTPUT_TOKENS)
     assert [r.usage.completion_tokens for r in replies] == [OUTPUT_TOKENS] * len(prompts)
     assert cluster.routed("prfaas") == len(prompts) and cluster.routed("local") == 0
     assert cluster.metric("prfaas_router_prefill_fallbacks_total") == 0

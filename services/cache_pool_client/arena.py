@@ -144,6 +144,11 @@ class ArenaMapping:
         finally:
             os.close(fd)
 
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process' memory (to register it as pinned memory)."""
+        return self._bytes.ctypes.data
+
     def generation(self, slot: int) -> int:
         return int(self._generations[slot])
 
@@ -167,7 +172,7 @@ class ArenaMapping:
         return runs
 
     def write(self, layout: ArenaLayout, block: ArenaBlock, pieces: Sequence) -> None:
-        copy_runs([as_array(p) for p in pieces], self.runs(layout, block))
+        copy_runs([p if hasattr(p, "copy_into") else as_array(p) for p in pieces], self.runs(layout, block))
 
     def read(self, layout: ArenaLayout, block: ArenaBlock) -> bytes:
         return b"".join(run.tobytes() for run in self.runs(layout, block))
@@ -182,15 +187,20 @@ class ArenaMapping:
             pass
 
 
-def copy_runs(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> None:
-    """Copy the concatenation of ``sources`` into the concatenation of ``targets`` (equal lengths)."""
+def copy_runs(sources: Sequence, targets: Sequence[np.ndarray]) -> None:
+    """Copy the concatenation of ``sources`` into the concatenation of ``targets`` (equal lengths).
+    A source is a flat uint8 array, or a piece that copies itself: ``copy_into(target, start)`` writes
+    its bytes ``[start, start + len(target))`` (e.g. from device memory, ``kv_connector.device``)."""
     if sum(len(s) for s in sources) != sum(len(t) for t in targets):
         raise ValueError("copy between buffers of different total sizes")
     si = ti = s_off = t_off = 0
     while si < len(sources) and ti < len(targets):
         source, target = sources[si], targets[ti]
         count = min(len(source) - s_off, len(target) - t_off)
-        np.copyto(target[t_off:t_off + count], source[s_off:s_off + count])
+        if hasattr(source, "copy_into"):
+            source.copy_into(target[t_off:t_off + count], s_off)
+        else:
+            np.copyto(target[t_off:t_off + count], source[s_off:s_off + count])
         s_off, t_off = s_off + count, t_off + count
         if s_off == len(source):
             si, s_off = si + 1, 0

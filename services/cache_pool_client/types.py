@@ -17,6 +17,13 @@ def layout_key(model: str, fingerprint: str) -> str:
     return f"{model}{LAYOUT_MARK}{fingerprint}"
 
 
+def rank_key(model: str, rank: int, tp_size: int) -> str:
+    """The pool key of one TP rank's share of an engine's blocks (its KV heads, its state shares):
+    ``model`` (a ``layout_key``) when the engine has one rank, else a key of its own per rank, so the
+    shares of one block never meet under one key. It names the same layout to the router."""
+    return model if tp_size == 1 else f"{model}/tp{rank}of{tp_size}"
+
+
 def has_layout(model: str) -> bool:
     """Whether a model key names a layout (an engine's); the router's keys name only the model."""
     return LAYOUT_MARK in model
@@ -100,15 +107,18 @@ class Block:
 @dataclass(frozen=True, slots=True)
 class Pieces:
     """A block's bytes as consecutive buffers (e.g. one per layer), copied piece by piece into the
-    pool's slots without ever being joined; ``len`` is their total size, ``bytes()`` joins them."""
+    pool's slots without ever being joined; ``len`` is their total size, ``bytes()`` joins them. A
+    part is a buffer, or an object that copies itself (``nbytes``, ``copy_into``, ``bytes()``: device
+    memory, see ``arena.copy_runs``)."""
 
     parts: tuple
 
     def __len__(self) -> int:
-        return sum(memoryview(part).nbytes for part in self.parts)
+        return sum(part.nbytes if hasattr(part, "copy_into") else memoryview(part).nbytes for part in self.parts)
 
     def __bytes__(self) -> bytes:
-        return b"".join(memoryview(part).cast("B") for part in self.parts)
+        return b"".join(bytes(part) if hasattr(part, "copy_into") else memoryview(part).cast("B")
+                        for part in self.parts)
 
 
 def pieces_of(data) -> tuple:

@@ -54,7 +54,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                                                 transport.recv_first_frame_timeout_s,
                                                 self.settings.host_ring_bytes, self.settings.host_ring_slot_bytes,
                                                 self.settings.code_sends)
-            self.pool_worker = PoolWorker(*pool) if pool else None
+            self.pool_worker = PoolWorker(*pool, rank=tp_rank) if pool else None
             self._tp_rank = tp_rank
         self.publisher: StatsPublisher | None = None
 
@@ -91,7 +91,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         layout = KVLayout(self._kv_cache_config, kv_caches)
         self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
         if self.pool_worker is not None:
-            self.pool_worker.layout = layout
+            self.pool_worker.register_kv_caches(layout, self.settings.host_ring_slot_bytes)
         if self.settings.stats_dir is not None:
             self.publisher = StatsPublisher(rank_path(self.settings.stats_dir, self._tp_rank), self._snapshot)
 
@@ -148,6 +148,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.publisher.close()
         if self.worker is not None:
             self.worker.shutdown()
+        if self.pool_worker is not None:
+            self.pool_worker.close()
         if self.pool_io is not None:
             self.pool_io.close()
 

@@ -5,7 +5,9 @@ loop with a ``CachePoolClient``. Hooks call ``start_*`` (never blocks) and get a
 ``PoolModel`` says what the pool keys of this engine are: the model key with its KV layout's
 fingerprint (``layout.spec_fingerprint``: block size, dtype, heads, layers, groups), the tokens per
 block and each KV-cache group's kind, derived from vLLM's ``KVCacheConfig`` the same way in the
-scheduler and the worker process.
+scheduler and the worker process. An engine of several TP ranks keeps each rank's share of a block
+under a key of that rank (``types.rank_key``): each rank stores and loads its own share, and the
+scheduler's lookup asks for every rank's and counts only the prefix that all of them hold.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from services.cache_pool_client.types import (Block, GroupIds, GroupKind, KvCacheGroup, LookupQuery, LookupResult,
-                                             PutResult, layout_key)
+                                             PutResult, layout_key, rank_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +25,21 @@ class PoolModel(GroupIds):
     model: str
     block_size: int
     groups: tuple[KvCacheGroup, ...]
+    tp_size: int = 1
 
-    def query(self, block_hashes: tuple[bytes, ...]) -> LookupQuery:
-        return LookupQuery(self.model, self.block_size, block_hashes, self.groups)
+    def key(self, rank: int = 0) -> str:
+        """The pool key of TP rank ``rank``'s share of this engine's blocks."""
+        return rank_key(self.model, rank, self.tp_size)
+
+    def query(self, block_hashes: tuple[bytes, ...], rank: int = 0) -> LookupQuery:
+        return LookupQuery(self.key(rank), self.block_size, block_hashes, self.groups)
+
+    def queries(self, block_hashes: tuple[bytes, ...]) -> tuple[LookupQuery, ...]:
+        """One query per TP rank: a prefix is usable only where every rank's share of it is stored."""
+        return tuple(self.query(block_hashes, rank) for rank in range(self.tp_size))
 
     @classmethod
-    def of(cls, model: str, kv_cache_config) -> "PoolModel | None":
+    def of(cls, model: str, kv_cache_config, tp_size: int = 1) -> "PoolModel | None":
         """None when a group is neither full attention nor a recurrent state (e.g. sliding window),
         or the full-attention groups disagree on the block size: the pool is then not used."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
@@ -48,7 +59,7 @@ class PoolModel(GroupIds):
                 return None
         if len(block_sizes) != 1:
             return None
-        return cls(layout_key(model, spec_fingerprint(kv_cache_config)), block_sizes.pop(), tuple(groups))
+        return cls(layout_key(model, spec_fingerprint(kv_cache_config)), block_sizes.pop(), tuple(groups), tp_size)
 
 
 class PoolIO:
@@ -68,8 +79,9 @@ class PoolIO:
         self._client = self._run(self._new_client()).result()
         self._run(self._connect())
 
-    def start_lookup(self, query: LookupQuery) -> "Future[LookupResult]":
-        return self._run(self._client.lookup(query, timeout_s=self.lookup_timeout_s))
+    def start_lookup(self, *queries: LookupQuery) -> "Future[LookupResult]":
+        """Several queries (one per TP rank's share): the answer with the fewest usable blocks."""
+        return self._run(self._lookup(queries))
 
     def start_get(self, model: str, refs: list[tuple[int, bytes]]) -> "Future[list[Block]]":
         """Fails (``grpc.aio.AioRpcError`` NOT_FOUND) when any block is gone: the caller recomputes.
@@ -104,6 +116,11 @@ class PoolIO:
             await self._client.stats()
         except Exception:  # noqa: BLE001 - the pool may start later; lookups then miss until it does
             pass
+
+    async def _lookup(self, queries: tuple[LookupQuery, ...]) -> LookupResult:
+        results = await asyncio.gather(*(self._client.lookup(query, timeout_s=self.lookup_timeout_s)
+                                         for query in queries))
+        return min(results, key=lambda result: result.num_usable_blocks)
 
     async def _put(self, model: str, make_blocks) -> PutResult:
         blocks = make_blocks()

@@ -60,7 +60,7 @@ class PoolPlanner:
         max_blocks = (request.num_prompt_tokens - 1) // block_size
         lookup = None
         if max_blocks > 0 and look_up:
-            lookup = self._io.start_lookup(self.model.query(hashes[:max_blocks]))
+            lookup = self._io.start_lookup(*self.model.queries(hashes[:max_blocks]))
         deadline = self._clock() + self._io.lookup_timeout_s + LOOKUP_GRACE_S
         self._prompts[request.request_id] = _Prompt(hashes, request.num_prompt_tokens, lookup, deadline,
                                                     received=not look_up)

@@ -55,18 +55,13 @@ class ConnectorSettings:
         return TransportSettings.of(self.transport)
 
     def open_pool(self, kv_cache_config, tp_size: int = 1):
-        """The pool's I/O bridge and this engine's pool keys; None when no pool is configured, the
-        model has KV-cache groups the pool cannot hold, or the engine has several TP ranks (each would
-        store its share of a block under the block's one key)."""
+        """The pool's I/O bridge and this engine's pool keys (one per TP rank); None when no pool is
+        configured or the model has KV-cache groups the pool cannot hold."""
         from services.kv_connector.pool_io import PoolIO, PoolModel
 
         if not self.cache_pool_address:
             return None
-        if tp_size > 1:
-            logger.warning("cache pool %s not used: this engine has %d TP ranks, and the pool keeps one entry per "
-                           "block, not one per rank's share", self.cache_pool_address, tp_size)
-            return None
-        model = PoolModel.of(self.cache_pool_model, kv_cache_config)
+        model = PoolModel.of(self.cache_pool_model, kv_cache_config, tp_size)
         if model is None:
             logger.warning("cache pool %s not used: the model has KV-cache groups it cannot hold",
                            self.cache_pool_address)

@@ -38,7 +38,12 @@ class ConnectorSnapshot:
 
     @classmethod
     def summed(cls, snapshots: Sequence[ConnectorSnapshot]) -> ConnectorSnapshot:
-        """An engine's TP ranks as one: each rank sends and receives its own share of the KV."""
-        pools = [asdict(s.pool) for s in snapshots]
+        """An engine's TP ranks as one: each rank sends and receives its own share of the KV (summed),
+        and stores and loads its own share of the same prompt tokens: the tokens every rank moved
+        (the least of the ranks' counts), and the most failures any rank saw."""
+        pools = [s.pool for s in snapshots]
         return cls(TransportSnapshot.summed([s.transport for s in snapshots]),
-                   PoolCounters(**{name: sum(p[name] for p in pools) for name in PoolCounters.__dataclass_fields__}))
+                   PoolCounters(tokens_loaded=min((p.tokens_loaded for p in pools), default=0),
+                                tokens_stored=min((p.tokens_stored for p in pools), default=0),
+                                loads_failed=max((p.loads_failed for p in pools), default=0),
+                                stores_failed=max((p.stores_failed for p in pools), default=0)))

@@ -29,7 +29,8 @@ from services.kv_connector.device.ring import HostRing
 from services.kv_connector.device.streams import Device
 from services.kv_connector.forwarder import Forwarder
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block
-from services.kv_connector.layouts.apply import attention_view, slice_attention, slice_state, state_page
+from services.kv_connector.layouts.apply import (attention_view, slice_attention, slice_state, state_page,
+                                                 state_piece_bytes)
 from services.kv_connector.layouts.spec import Layer, LayoutSpec
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendAbort, SendSpec
 from services.kv_connector.layouts.reblock import Reblocker, ReblockPlans, announcement
@@ -269,9 +270,12 @@ class PrfaasConnectorWorker:
                 continue
             view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
                                   self.layout.block_size[layer.group])
-            payload = _joined([slice_attention(view, ids, piece) for piece in pieces])
-            frame = (layer.index, layer.group, first, len(ids), _bytes(payload))
-            self._saver.then(partial(self._send_frame, send, peer, wire, frame, coding))
+            block_bytes = sum(view[0, p.src_start:p.src_start + p.num_units].numel() for p in pieces) \
+                * view.element_size()
+            # runs of at most one frame: the transport splits a payload by whole blocks, which would
+            # cut across the pieces of a payload that holds several
+            self._saver.save_made(partial(_sliced_blocks, view, pieces), block_bytes, ids,
+                                  self._deliverer(send, peer, wire, layer, first, coding), self._frame_bytes())
 
     def _coding(self, layer: LayerInfo):
         """How the transport may code this attention layer's payloads (None: raw): only on an engine
@@ -292,12 +296,6 @@ class PrfaasConnectorWorker:
             self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame, coding))
         return deliver
 
-    def _send_frame(self, send: SendSpec, peer: str, wire: str, frame: tuple, coding=None) -> None:
-        if self._layerwise:
-            self.streams.send(peer, wire, *frame, coding=coding)
-        else:
-            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame, coding))
-
     def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:
         block = state_block(send.block_ids[layer.group])
         if block == NULL_BLOCK:
@@ -308,9 +306,14 @@ class PrfaasConnectorWorker:
                                  self._deliverer(send, peer, wire, layer, 0))
             elif pieces := route.pieces.get(layer.name):
                 page = state_page(self.layout.caches[layer.name], block)
-                payload = _joined([slice_state(page, self._spec_layer(layer), piece) for piece in pieces])
-                frame = (layer.index, layer.group, 0, 1, _bytes(payload))
-                self._saver.then(partial(self._send_frame, send, peer, wire, frame))
+                spec_layer = self._spec_layer(layer)
+                page_bytes = sum(state_piece_bytes(page, spec_layer, piece) for piece in pieces)
+                self._saver.save_made(partial(_sliced_page, page, spec_layer, pieces), page_bytes, [block],
+                                      self._deliverer(send, peer, wire, layer, 0))
+
+    def _frame_bytes(self) -> int | None:
+        settings = getattr(self.streams, "settings", None)
+        return min(settings.frame_bytes, settings.max_frame_bytes) if settings is not None else None
 
     def _spec_layer(self, layer: LayerInfo) -> Layer:
         return self._spec_layers[layer.name]
@@ -556,7 +559,11 @@ def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    """A host view of ``tensor``'s bytes; a device tensor is copied to the host first (a synchronous
-    copy: only TP-sliced sends take this path)."""
-    return memoryview(tensor.view(-1).view(torch.uint8).cpu().numpy())
+def _sliced_blocks(view: torch.Tensor, pieces, block_ids) -> torch.Tensor:
+    """The heads of ``block_ids`` a consumer rank of another TP size gets (``tp_routes`` pieces)."""
+    return _joined([slice_attention(view, block_ids, piece) for piece in pieces])
+
+
+def _sliced_page(page: torch.Tensor, layer: Layer, pieces, block_ids) -> torch.Tensor:
+    """The shares of a state page (the one block of ``block_ids``) a consumer rank gets."""
+    return _joined([slice_state(page, layer, piece) for piece in pieces])

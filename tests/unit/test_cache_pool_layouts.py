@@ -48,7 +48,7 @@ def _worker(io, dtype: torch.dtype, seed: int) -> PoolWorker:
     generator = torch.Generator().manual_seed(seed)
     caches = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 8, generator=generator).to(dtype) for name in ("l1", "l2")}
     worker = PoolWorker(io, PoolModel.of("tiny", config))
-    worker.layout = KVLayout(config, caches)
+    worker.register_kv_caches(KVLayout(config, caches))
     return worker
 
 

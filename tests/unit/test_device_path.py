@@ -101,6 +101,40 @@ def test_the_sender_thread_delivers_slot_sized_chunks_in_order_then_runs_what_fo
     saver.close()
 
 
+def test_bytes_cut_out_of_the_cache_go_in_slot_sized_runs_of_blocks():
+    """The sends to a consumer of another TP size: the saver runs the cut (a head slice of each
+    block, pieces back to back) on its side stream, per run of blocks that fits a slot."""
+    cache = torch.randn(16, 4, 2, 8)  # [blocks, heads, ...]
+
+    def heads(ids):  # two head ranges of the blocks, one after the other, as tp_routes pieces are sent
+        index = torch.tensor(list(ids))
+        return torch.cat([cache[:, 0:1].index_select(0, index).reshape(-1),
+                          cache[:, 3:4].index_select(0, index).reshape(-1)])
+
+    block_bytes = 2 * cache[0, 0].numel() * cache.element_size()
+    ring = HostRing(CPU, 2 * block_bytes + 3, 2)
+    saver = LayerSaver(CPU, ring, threaded=True)
+    got: list = []
+
+    def deliver(first, count, payload, release):
+        got.append((first, count, bytes(payload)))
+        release()
+    ids = [3, 8, 1, 12, 5]
+    saver.save_made(heads, block_bytes, ids, deliver)
+    saver.flush()
+    assert [g[:2] for g in got] == [(0, 2), (2, 2), (4, 1)]
+    for first, count, payload in got:
+        assert payload == heads(ids[first:first + count]).view(torch.uint8).numpy().tobytes()
+    assert ring.num_free == 2
+    got.clear()
+    saver.save_made(heads, block_bytes, ids, deliver, max_run_bytes=block_bytes + 1)  # one frame's worth
+    saver.flush()
+    assert [g[:2] for g in got] == [(i, 1) for i in range(len(ids))]
+    with pytest.raises(ValueError, match="does not fit"):
+        saver.save_made(heads, ring.slot_bytes + 1, ids, deliver)
+    saver.close()
+
+
 def test_a_slot_is_reused_only_once_the_transport_released_it():
     ring = HostRing(CPU, 4096, 1)
     saver = LayerSaver(CPU, ring)

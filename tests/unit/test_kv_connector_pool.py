@@ -17,7 +17,7 @@ import torch
 from services.cache_pool_client.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
 from services.cache_pool.slots import Arena
-from services.cache_pool_client.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult
+from services.cache_pool_client.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult, Pieces
 from services.kv_connector.layouts.pages import KVLayout, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.params import consume
@@ -227,7 +227,7 @@ def _layout(fill: bool, state_block_size: int = 64) -> KVLayout:
 
 def _worker(io, fill: bool, state_block_size: int = 64) -> PoolWorker:
     worker = PoolWorker(io, HYBRID)
-    worker.layout = _layout(fill, state_block_size)
+    worker.register_kv_caches(_layout(fill, state_block_size))
     return worker
 
 
@@ -328,6 +328,30 @@ def test_pool_io_round_trip_over_grpc(pool_server):
         io.close()
 
 
+def test_tp_ranks_keep_their_shares_under_keys_of_their_own_and_a_prefix_needs_every_share(pool_server):
+    """At TP 2 each rank stores its share of a block under its own key; the engine's lookup asks for
+    both ranks' and counts only the prefix that both hold (one rank's share alone is no hit)."""
+    model = PoolModel("tiny/1", BLOCK, HYBRID.groups, tp_size=2)
+    assert model.key(0) != model.key(1) and model.key(0).startswith(model.model)
+    assert PoolModel("tiny/1", BLOCK, HYBRID.groups).key(0) == "tiny/1"  # one rank: the layout key itself
+    running = pool_server(name="pool-local")
+    io = PoolIO(f"127.0.0.1:{running.port}", lookup_timeout_s=2.0)
+    try:
+        hashes = tuple(prompt_block_hashes(list(range(3 * BLOCK)), BLOCK))
+
+        def share(rank: int, count: int) -> list[Block]:
+            return [Block(g, h, bytes([rank, i]) * 4) for i, h in enumerate(hashes[:count]) for g in (0, 1)]
+
+        io.start_put(model.key(0), lambda: share(0, 3)).result(5)
+        assert io.start_lookup(*model.queries(hashes)).result(5).num_usable_blocks == 0
+        io.start_put(model.key(1), lambda: share(1, 2)).result(5)
+        assert io.start_lookup(*model.queries(hashes)).result(5).num_usable_blocks == 2
+        assert io.start_get(model.key(1), [(1, hashes[1])]).result(5) == [share(1, 2)[3]]
+        assert io.start_get(model.key(0), [(1, hashes[1])]).result(5) == [share(0, 3)[3]]
+    finally:
+        io.close()
+
+
 def test_blocks_go_through_the_pools_arena_straight_from_and_into_the_kv_tensors(pool_server, tmp_path):
     arena = Arena.create(str(tmp_path), "pool-local", 4 << 20)
     pool = CachePool(4 << 20, arena=arena)
@@ -346,6 +370,56 @@ def test_blocks_go_through_the_pools_arena_straight_from_and_into_the_kv_tensors
         _assert_loaded(source, target)
     finally:
         io.close()
+
+
+def test_pieces_of_device_memory_go_straight_into_the_arena(pool_server, tmp_path):
+    """The CUDA store path on the CPU stand-in: each block's pieces copy themselves into the arena's
+    slots after their gather's event (``DevicePiece``), with no bytes joined on the way."""
+    from services.kv_connector.device.pool_copies import DevicePiece, PinnedRegion
+    from services.kv_connector.device.streams import CpuEvent, Device
+
+    device = Device("cpu")
+    arena = Arena.create(str(tmp_path), "pool-local", 4 << 20)
+    pool = CachePool(4 << 20, arena=arena)
+    io = PoolIO(f"127.0.0.1:{pool_server(pool, name='pool-local').port}", lookup_timeout_s=2.0)
+    try:
+        hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+        layers = [torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(7, dtype=torch.float32)]
+        expected = b"".join(t.view(torch.uint8).numpy().tobytes() for t in layers)
+        pieces = Pieces(tuple(DevicePiece(t, CpuEvent(), device) for t in layers))
+        assert len(pieces) == len(expected) and bytes(pieces) == expected
+        assert io.start_put("tiny/1", lambda: [Block(1, hashes[0], pieces)]).result(5).num_blocks_stored == 1
+        assert pool.stats.arena_slots > 0
+        [block] = io.start_get("tiny/1", [(1, hashes[0])]).result(5)
+        assert bytes(block.data) == expected
+        assert not PinnedRegion(device, block.data.mapping.address, 1 << 20).holds(block.data.mapping.address)
+    finally:
+        io.close()
+
+
+def test_a_load_is_reported_only_once_its_copies_completed(io):
+    """On CUDA the copies into the blocks run on side streams: the request stays loading until the
+    loader says they are done, and one abandoned meanwhile is released behind a fence."""
+    source = _worker(io, fill=True)
+    hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
+    source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+        "a", ((5,), (1, 2)), tuple(enumerate(hashes)), hashes[1], 2 * BLOCK)]))
+    source.store()
+    for abandon in (False, True):
+        target = _worker(io, fill=False)
+        running, fences = {"copies": True}, []
+        target._loader.busy = lambda key, running=running: running["copies"]
+        target._loader.fence = lambda fences=fences: fences.append(True)
+        target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
+        assert target.finished_loads() == (set(), set())
+        if abandon:
+            target.on_metadata(PrfaasConnectorMetadata(pool_abandoned=["b"]))
+            assert fences and target.finished_loads() == ({"b"}, set())
+            assert target.counters().tokens_loaded == 0
+            continue
+        running["copies"] = False
+        assert target.finished_loads() == ({"b"}, set())
+        assert target.counters().tokens_loaded == 2 * BLOCK and not fences
 
 
 def test_a_block_evicted_while_being_copied_fails_the_load(io):

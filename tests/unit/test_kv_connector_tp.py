@@ -350,13 +350,3 @@ def test_a_transfer_that_fails_on_the_receiving_rank_fails_on_its_replicas_at_on
     consumers[0].streams.pending = [event for peer, event in consumers[1].streams.sent if peer == "127.0.0.1:7000"]
     assert isinstance(consumers[0].streams.pending[-1], TransferFailed)
     assert consumers[0].get_transfer_results().failed_recving == {"r"}
-
-
-def test_an_engine_of_several_tp_ranks_does_not_use_the_cache_pool(caplog):
-    """The pool keeps one entry per block: ranks storing their shares under it would overwrite each
-    other, so such an engine runs without the pool, and says so."""
-    from services.kv_connector.settings import ConnectorSettings
-
-    settings = ConnectorSettings(cache_pool_address="127.0.0.1:1", cache_pool_model="tiny")
-    assert settings.open_pool(SimpleNamespace(kv_cache_groups=[]), tp_size=2) is None
-    assert "this engine has 2 TP ranks" in caplog.text

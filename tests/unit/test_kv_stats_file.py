@@ -59,19 +59,21 @@ def test_a_transfer_on_the_wire_is_reported_while_nothing_steps_the_engine(tmp_p
 
 
 def test_the_ranks_of_an_engine_add_up(tmp_path):
-    def rank(bytes_sent: int, rtt_us: int, loaded: int) -> ConnectorSnapshot:
+    def rank(bytes_sent: int, rtt_us: int, loaded: int, failed: int) -> ConnectorSnapshot:
         peer = PeerSnapshot("10.0.0.2:7000", connections=4, bytes_sent=bytes_sent, transfers_sent=2, retransmits=3,
                             delivery_rate_bps=100, rtt_us=rtt_us, cwnd_segments=10)
         return ConnectorSnapshot(TransportSnapshot((peer,), bytes_received=bytes_sent // 2),
-                                 PoolCounters(tokens_loaded=loaded))
+                                 PoolCounters(tokens_loaded=loaded, loads_failed=failed))
 
-    for index, snapshot in enumerate((rank(1000, 500, 7), rank(3000, 900, 1))):
+    for index, snapshot in enumerate((rank(1000, 500, 7, 0), rank(3000, 900, 5, 2))):
         rank_path(tmp_path, index).write_text(json.dumps(snapshot.as_dict()))
     total = read_stats(tmp_path)
     (peer,) = total.transport.peers
     assert (peer.connections, peer.bytes_sent, peer.transfers_sent, peer.retransmits) == (8, 4000, 4, 6)
     assert (peer.delivery_rate_bps, peer.cwnd_segments, peer.rtt_us) == (200, 20, 900)  # the RTT: the worst rank
-    assert total.transport.bytes_received == 2000 and total.pool.tokens_loaded == 8
+    assert total.transport.bytes_received == 2000
+    # each rank loads its share of the same prompt tokens: the tokens every rank loaded, the most failures
+    assert (total.pool.tokens_loaded, total.pool.loads_failed) == (5, 2)
 
 
 def test_a_snapshot_is_written_whole_and_only_when_it_changed(tmp_path):

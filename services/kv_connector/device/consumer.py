@@ -31,6 +31,7 @@ class BlockLoader:
         self.device = device
         self.ring = ring
         self.receive_ring = receive_ring
+        self.pinned: list = []  # other pinned host memory frames may lie in (``pool_copies.PinnedRegion``)
         self._staging: list[torch.Tensor] = []  # two on the device: a batch's copy in, the last one's write
         self._staging_free: list[Any] = [None, None]  # when the write that read each one completed
         self._turn = 0
@@ -87,7 +88,9 @@ class BlockLoader:
             self.device.current_stream().wait_stream(self.device.side_stream(COPY))
 
     def _is_pinned(self, source: torch.Tensor) -> bool:
-        return self.receive_ring is not None and self.receive_ring.holds(source.data_ptr())
+        address = source.data_ptr()
+        return (self.receive_ring is not None and self.receive_ring.holds(address)) or \
+            any(region.holds(address) for region in self.pinned)
 
     def flush(self) -> None:
         """Issue the copies of the frames gathered so far (``poll`` does)."""

@@ -41,7 +41,7 @@ class _Copy:
     count: int
     deliver: Deliver
     done: Any
-    index: torch.Tensor  # kept alive until the copy that reads it completed
+    held: torch.Tensor  # what the copy reads (its index, or the bytes made): kept until it completed
 
 
 class LayerSaver:
@@ -71,8 +71,40 @@ class LayerSaver:
         for first in range(0, len(block_ids), per_slot):
             self._queue_copy(cache, block_dim, block_ids[first:first + per_slot], first, deliver, side)
 
+    def save_made(self, make: Callable[[Sequence[int]], torch.Tensor], block_bytes: int, block_ids: Sequence[int],
+                  deliver: Deliver, max_run_bytes: int | None = None) -> None:
+        """As ``save``, for bytes that ``make(ids)`` cuts out of the cache (a contiguous tensor of
+        ``block_bytes`` per block of ``ids``: e.g. the heads a consumer of another TP size gets), in
+        runs of blocks of at most a slot (and ``max_run_bytes``, but at least one block). ``make``
+        runs on the engine thread with the side stream current, so its kernels run there, after the
+        layer; its result is copied into a slot and kept until that copy completed."""
+        if not block_ids:
+            return
+        ready = self.device.event()
+        ready.record(self.device.current_stream())
+        side = self.device.side_stream()
+        side.wait_event(ready)
+        per_slot = self._per_slot(block_bytes)
+        if max_run_bytes is not None:
+            per_slot = min(per_slot, max(1, max_run_bytes // block_bytes))
+        for first in range(0, len(block_ids), per_slot):
+            ids = block_ids[first:first + per_slot]
+            slot = self.ring.acquire()
+            try:
+                with self.device.use(side):
+                    made = make(ids).reshape(-1).view(torch.uint8)
+                    slot.memory[:made.numel()].copy_(made, non_blocking=self.device.is_cuda)
+                    done = self.device.event()
+                    done.record(side)
+            except BaseException:
+                self.ring.release(slot)
+                raise
+            self._put(_Copy(slot, made.numel(), first, len(ids), deliver, done, made))
+
     def blocks_per_slot(self, cache: torch.Tensor, block_dim: int) -> int:
-        block_bytes = cache.numel() // cache.shape[block_dim] * cache.element_size()
+        return self._per_slot(cache.numel() // cache.shape[block_dim] * cache.element_size())
+
+    def _per_slot(self, block_bytes: int) -> int:
         if block_bytes > self.ring.slot_bytes:
             raise ValueError(f"a block of {block_bytes} bytes does not fit a host ring slot of "
                              f"{self.ring.slot_bytes} bytes")

@@ -90,6 +90,12 @@ def slice_state(page: torch.Tensor, layer: LinearLayer, piece: Piece) -> torch.T
     return _part_view(page, layer, piece.part, piece.src_start, piece.num_units).contiguous()
 
 
+def state_piece_bytes(page: torch.Tensor, layer: LinearLayer, piece: Piece) -> int:
+    """How many bytes ``slice_state`` makes of the piece (from views: nothing is copied)."""
+    view = _part_view(page, layer, piece.part, piece.src_start, piece.num_units)
+    return view.numel() * view.element_size()
+
+
 def write_state(page: torch.Tensor, layer: LinearLayer, piece: Piece, payload: torch.Tensor) -> None:
     target = _part_view(page, layer, piece.part, piece.dst_start, piece.num_units)
     target.copy_(payload.reshape(target.shape))

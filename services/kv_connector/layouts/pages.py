@@ -49,10 +49,16 @@ class KVLayout:
         self.fingerprint = _fingerprint(kv_caches, self.layers, self.physical)
 
     def extract(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of ``block_ids`` of ``layer`` (safe to send after the blocks are freed)."""
+        """A contiguous copy of ``block_ids`` of ``layer`` in host memory (safe to send after the
+        blocks are freed)."""
+        return self.gather(layer, block_ids).cpu()
+
+    def gather(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of ``block_ids`` of ``layer`` where the cache lives (on CUDA enqueued on
+        the current stream: in order after the forward, and before any later write to the blocks)."""
         tensor = self.caches[layer.name]
         index = torch.tensor(block_ids, dtype=torch.long, device=tensor.device)
-        return tensor.index_select(layer.block_dim, index).contiguous().cpu()
+        return tensor.index_select(layer.block_dim, index).contiguous()
 
     def write_some(self, layer: LayerInfo, block_ids: list[int | None], keep: list[int],
                    payload: memoryview) -> None:

@@ -89,7 +89,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = KVLayout(self._kv_cache_config, kv_caches)
-        self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches)))
+        self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches),
+                                                         layout.physical))
         if self.pool_worker is not None:
             self.pool_worker.register_kv_caches(layout, self.settings.host_ring_slot_bytes)
         if self.settings.stats_dir is not None:
@@ -163,7 +164,7 @@ def _tp_rank() -> int:
         return 0
 
 
-def rank_spec(vllm_config, kv_cache_config, layer_names: list[str]) -> LayoutSpec | None:
+def rank_spec(vllm_config, kv_cache_config, layer_names: list[str], physical: dict | None = None) -> LayoutSpec | None:
     """This worker rank's ``LayoutSpec``, from the engine's real ``KVCacheConfig``; None (receive
     only from identical layouts) where it cannot be described."""
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -174,7 +175,7 @@ def rank_spec(vllm_config, kv_cache_config, layer_names: list[str]) -> LayoutSpe
         spec = spec_from_vllm(model_config.served_model_name, kv_cache_config, layer_names,
                               get_tensor_model_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size,
                               model_config.get_total_num_kv_heads(), conv_layout=get_conv_state_layout())
-        return with_cache_layout(spec, vllm_config.cache_config.cache_dtype)
+        return with_cache_layout(spec, vllm_config.cache_config.cache_dtype, physical)
     except (ValueError, AttributeError, TypeError) as error:
         logger.warning("this worker's KV layout has no description (it receives KV only from identical "
                        "layouts): %s", error)

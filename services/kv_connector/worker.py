@@ -269,7 +269,7 @@ class PrfaasConnectorWorker:
             if not (pieces := route.pieces.get(layer.name)):
                 continue
             view = attention_view(self.layout.caches[layer.name], self._spec_layer(layer),
-                                  self.layout.block_size[layer.group])
+                                  self.layout.block_size[layer.group], self._spec.cache_layout)
             block_bytes = sum(view[0, p.src_start:p.src_start + p.num_units].numel() for p in pieces) \
                 * view.element_size()
             # runs of at most one frame: the transport splits a payload by whole blocks, which would

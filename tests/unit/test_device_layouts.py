@@ -82,3 +82,22 @@ def test_a_kernel_split_cache_is_copied_by_manager_block():
     assert layout.caches["a"].shape[:2] == (BLOCKS, 2)
     raw = view("LBNHC", 2 * BLOCKS)
     assert torch.equal(layout.extract(info, [3]), raw[6:8].unsqueeze(0))
+
+
+def test_a_gpu_engine_announces_token_rows_only_where_every_attention_view_is_a_plain_strided_one():
+    """What a GPU engine's spec says of its attention caches (``from_vllm.token_rows``): head slicing
+    and re-blocking then read them through a strided view (tests/unit/test_kv_connector_tp.py)."""
+    from services.kv_connector.layouts.from_vllm import token_rows
+    from services.kv_connector.layouts.spec import AttentionLayer, LayoutSpec, Sharded
+
+    def spec(*names: str) -> LayoutSpec:
+        layers = tuple(AttentionLayer(name, 0, Sharded("kv_heads", HEADS, HEAD, HEADS)) for name in names)
+        return LayoutSpec("tiny", "bfloat16", 0, 1, (TOKENS,), layers)
+
+    plain = {f"l{i}": detect(view(order, layer=i), BLOCKS) for i, order in enumerate(["LBNHC", "BLHNC"])}
+    assert token_rows(spec("l0", "l1"), plain)
+    assert not token_rows(spec("l0", "l1"), {"l0": plain["l0"]})  # a layer not seen: unknown
+    split = {"l0": detect(view("LBNHC", blocks=2 * BLOCKS), BLOCKS)}  # kernel blocks half the manager's
+    assert split["l0"].kernel_ratio == 2 and not token_rows(spec("l0"), split)
+    mla = {"l0": detect(view("LBNHC", heads=1), BLOCKS, kind="mla")}
+    assert not token_rows(spec("l0"), mla) and not token_rows(spec("l0"), None)

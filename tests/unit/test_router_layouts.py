@@ -11,7 +11,7 @@ import pytest
 from services.config import parse_config
 from services.worker_api.types import WorkerStats
 from services.kv_connector.layouts import mapping as layout_map
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, TOKEN_ROWS
 from services.router import layouts
 from services.router.app import RouterApp
 from services.router.layouts import Announcement, LayoutNegotiation, PairVerdict, judge, judge_layouts
@@ -34,10 +34,15 @@ WORKERS = [
     (FP32, BF16, "unmappable", "different KV dtypes: producer float32, consumer bfloat16"),
     (gdn_model(1, model="other").to_bytes(), BF16, "unmappable", "different models: producer 'other'"),
     (BF16, gdn_model(2).to_bytes(), "unmappable",
-     "TP 1 -> 2 needs head slicing, which needs both attention caches in the layout of vLLM's CPU kernels"),
+     "TP 1 -> 2 needs head slicing, which needs both attention caches in one layout of vLLM's CPU kernels or "
+     "GPU backends"),
     (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable",
      "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32] need re-blocking, which needs both attention caches in "
-     "the layout of vLLM's CPU kernels (announced: unknown -> unknown)"),
+     "one layout of vLLM's CPU kernels or GPU backends (announced: unknown -> unknown)"),
+    (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=TOKEN_ROWS).to_bytes(),
+     "mappable", ""),
+    (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(),
+     "unmappable", "announced: kv-token-rows -> cpu-k-transposed"),
     (CPU_16, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (CPU_16, gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), CPU_16, "mappable", ""),

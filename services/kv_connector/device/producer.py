@@ -63,10 +63,7 @@ class LayerSaver:
         chunks; called on the engine thread, waits only for a free slot."""
         if not block_ids:
             return
-        ready = self.device.event()
-        ready.record(self.device.current_stream())
-        side = self.device.side_stream()
-        side.wait_event(ready)
+        side = self._after_layer()
         per_slot = self.blocks_per_slot(cache, block_dim)
         for first in range(0, len(block_ids), per_slot):
             self._queue_copy(cache, block_dim, block_ids[first:first + per_slot], first, deliver, side)
@@ -80,10 +77,7 @@ class LayerSaver:
         layer; its result is copied into a slot and kept until that copy completed."""
         if not block_ids:
             return
-        ready = self.device.event()
-        ready.record(self.device.current_stream())
-        side = self.device.side_stream()
-        side.wait_event(ready)
+        side = self._after_layer()
         per_slot = self._per_slot(block_bytes)
         if max_run_bytes is not None:
             per_slot = min(per_slot, max(1, max_run_bytes // block_bytes))
@@ -100,6 +94,14 @@ class LayerSaver:
                 self.ring.release(slot)
                 raise
             self._put(_Copy(slot, made.numel(), first, len(ids), deliver, done, made))
+
+    def _after_layer(self) -> Any:
+        """The side stream, made to wait for what the compute stream enqueued so far (the layer)."""
+        ready = self.device.event()
+        ready.record(self.device.current_stream())
+        side = self.device.side_stream()
+        side.wait_event(ready)
+        return side
 
     def blocks_per_slot(self, cache: torch.Tensor, block_dim: int) -> int:
         return self._per_slot(cache.numel() // cache.shape[block_dim] * cache.element_size())

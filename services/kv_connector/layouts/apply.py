@@ -13,28 +13,34 @@ from collections.abc import Sequence
 import torch
 
 from services.kv_connector.layouts.mapping import Piece, chunk_size, token_chunks
-from services.kv_connector.layouts.spec import DTYPE_BYTES, AttentionLayer, LinearLayer
+from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES, TOKEN_ROWS, AttentionLayer, LinearLayer
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
-def attention_view(cache: torch.Tensor, layer: AttentionLayer, block_size: int) -> torch.Tensor:
-    """vLLM's CPU attention cache ``[blocks, heads, block_size, 2 * head_size]`` as
-    ``[blocks, heads, 2, block_size, head_size]``: each (block, head) holds its K area, then its V
-    area (``cpu_attn.py`` splits them so); the registered shape's last two dims are not (token, K|V).
-    Which element of an area is which token is the kernels' business: see ``token_view``."""
+def attention_view(cache: torch.Tensor, layer: AttentionLayer, block_size: int,
+                   cache_layout: str = CPU_K_TRANSPOSED) -> torch.Tensor:
+    """An attention layer's cache as ``[blocks, heads, 2, block_size, head_size]``: each (block, head)
+    holds its K area, then its V area (no copy). vLLM's CPU cache ``[blocks, heads, block_size, 2 *
+    head_size]`` splits each (block, head) so (``cpu_attn.py``): the registered shape's last two dims
+    are not (token, K|V), and which element of an area is which token is the kernels' business (see
+    ``token_view``). A GPU backend's (``TOKEN_ROWS``) has the same logical shape with each token's K
+    then V in its last dim: a strided view of it, whatever its strides."""
+    if cache_layout == TOKEN_ROWS:
+        return cache.unflatten(3, (2, layer.head_size)).permute(0, 1, 3, 2, 4)
     return cache.view(cache.shape[0], layer.kv.num_local_units, 2, block_size, layer.head_size)
 
 
-def token_view(view: torch.Tensor, half: int) -> torch.Tensor:
+def token_view(view: torch.Tensor, half: int, cache_layout: str = CPU_K_TRANSPOSED) -> torch.Tensor:
     """K (``half`` 0) or V (1) of an ``attention_view``, or of a payload shaped like one, as
     ``[blocks, heads, block_size, head_size]`` over the same memory. vLLM's CPU kernels (its ``vec``
     and ``vec16`` ISAs, ``cpu_attn_reshape_and_cache``) store a head's K transposed, ``[head_size,
     block_size]`` with a token's values ``block_size`` apart, and its V as ``[block_size,
-    head_size]``; checked against the kernel in tests/unit/test_layout_apply.py."""
+    head_size]``; checked against the kernel in tests/unit/test_layout_apply.py. ``TOKEN_ROWS``
+    keeps both in token order."""
     blocks, heads, _, block_size, head_size = view.shape
     area = view[:, :, half]
-    if half == 1:
+    if half == 1 or cache_layout == TOKEN_ROWS:
         return area
     return area.flatten(2).unflatten(2, (head_size, block_size)).transpose(2, 3)
 
@@ -46,10 +52,11 @@ def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece) 
 
 
 def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload: torch.Tensor, piece: Piece,
-                    first_block: int, src_block_size: int) -> None:
+                    first_block: int, src_block_size: int, cache_layout: str = CPU_K_TRANSPOSED) -> None:
     """Write ``payload`` (producer blocks from the request's block ``first_block`` on, as
-    ``slice_attention`` made them) into the request's consumer blocks ``block_ids``, token by token
-    (``token_view``); ids that are None, and tokens past the last consumer block, are skipped."""
+    ``slice_attention`` made them, both ends in ``cache_layout``) into the request's consumer blocks
+    ``block_ids``, token by token (``token_view``); ids that are None, and tokens past the last
+    consumer block, are skipped. A payload in host memory is copied to the cache's device first."""
     dst_block_size = view.shape[3]
     chunks = [chunk for chunk in token_chunks(first_block, payload.shape[0], src_block_size, dst_block_size)
               if chunk.dst_block < len(block_ids) and block_ids[chunk.dst_block] is not None]
@@ -59,11 +66,11 @@ def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload
     src_blocks, src_slots, dst_blocks, dst_slots = (
         torch.tensor(column, dtype=torch.long, device=view.device)
         for column in zip(*((c.src_block, c.src_slot, block_ids[c.dst_block], c.dst_slot) for c in chunks)))
-    src_blocks, src_slots = src_blocks.to(payload.device), src_slots.to(payload.device)
+    payload = payload.to(view.device)
     heads = slice(piece.dst_start, piece.dst_start + piece.num_units)
     for half in (0, 1):
-        source = token_view(payload, half).unflatten(2, (src_block_size // size, size))
-        target = token_view(view, half).unflatten(2, (dst_block_size // size, size))
+        source = token_view(payload, half, cache_layout).unflatten(2, (src_block_size // size, size))
+        target = token_view(view, half, cache_layout).unflatten(2, (dst_block_size // size, size))
         target[dst_blocks, heads, dst_slots] = source[src_blocks, :, src_slots]
 
 

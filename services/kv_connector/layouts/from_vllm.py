@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.spec import (CPU_K_TRANSPOSED, TOKEN_ROWS, AttentionLayer, Layer, LayoutSpec,
+                                                LinearLayer, Sharded)
 
 
 def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str], tp_rank: int, tp_size: int,
@@ -44,19 +45,24 @@ def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str],
 # vLLM CPU attention kernels (by ISA) whose cache layout ``apply.token_view`` reads; checked
 # against the kernel by tests/unit/test_layout_apply.py. Others (AMX, other architectures) are unknown.
 KERNEL_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED}
+ROW_VIEWS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")  # ``physical`` names of a plain strided [B, H, N, C] view
 
 
-def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto") -> LayoutSpec:
-    """``spec`` naming the attention cache layout its engine uses (the KV dtype and the first
-    attention layer's head and block size choose vLLM's CPU kernel): ``CPU_K_TRANSPOSED`` for the
-    kernels that store it so; unchanged (unknown) for the others and off the CPU platform, where
-    GPU backends choose theirs per model and device."""
+def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto", physical: dict | None = None) -> LayoutSpec:
+    """``spec`` naming the attention cache layout its engine uses. On the CPU platform the KV dtype and
+    the first attention layer's head and block size choose vLLM's kernel: ``CPU_K_TRANSPOSED`` for the
+    kernels that store it so. Elsewhere ``TOKEN_ROWS`` when every attention layer's registered view
+    (``physical``: ``KVLayout.physical``) is a plain strided ``[B, H, N, C]`` (LBNHC, LBHNC or their
+    block-outermost forms, one kernel block per block), as vLLM 0.32's GPU backends register it;
+    unchanged (unknown) otherwise (MLA, split kernel blocks, no view to judge)."""
     import torch
     from vllm.platforms import current_platform
 
     attention = next((layer for layer in spec.layers if isinstance(layer, AttentionLayer)), None)
-    if not current_platform.is_cpu() or attention is None:
+    if attention is None:
         return spec
+    if not current_platform.is_cpu():
+        return replace(spec, cache_layout=TOKEN_ROWS) if token_rows(spec, physical) else spec
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -65,6 +71,16 @@ def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto") -> LayoutSpec
     except (ImportError, NotImplementedError, RuntimeError):
         return spec
     return replace(spec, cache_layout=KERNEL_LAYOUTS.get(isa, ""))
+
+
+def token_rows(spec: LayoutSpec, physical: dict | None) -> bool:
+    """Whether every attention layer of ``spec`` is registered as a strided ``[B, H, N, C]`` view with
+    each token's K then V in C (what ``TOKEN_ROWS`` names), judged from ``physical`` (by layer name)."""
+    names = [layer.name for layer in spec.layers if isinstance(layer, AttentionLayer)]
+    if not physical or not names:
+        return False
+    return all(name in physical and physical[name].name in ROW_VIEWS and physical[name].kernel_ratio == 1
+               for name in names)
 
 
 def _attention(name: str, group: int, spec: Any, tp_size: int, total_kv_heads: int) -> AttentionLayer:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.kv_connector.layouts.spec import (
-    CPU_K_TRANSPOSED,
     DTYPE_BYTES,
+    SLICEABLE_LAYOUTS,
     AttentionLayer,
     Layer,
     LayoutSpec,
@@ -191,15 +191,15 @@ def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -
     """Why the KV data path cannot carry a ``LayoutMap``, or None. Identical layouts travel as whole
     pages. Otherwise each producer rank sends each consumer rank its pieces (a consumer rank passes
     on the pieces its replicas hold) and the consumer re-blocks them, which needs both attention
-    caches in the layout ``apply`` reads (``CPU_K_TRANSPOSED``)."""
+    caches in one layout ``apply`` reads (``SLICEABLE_LAYOUTS``)."""
     if layout_map.is_identity:
         return None
-    if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
+    if src.cache_layout != dst.cache_layout or src.cache_layout not in SLICEABLE_LAYOUTS:
         what = (f"TP {layout_map.producer_tp} -> {layout_map.consumer_tp} needs head slicing"
                 if layout_map.producer_tp != layout_map.consumer_tp
                 else f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking")
-        return (f"{what}, which needs both attention caches in the layout of vLLM's CPU kernels (announced: "
-                f"{src.cache_layout or 'unknown'} -> {dst.cache_layout or 'unknown'})")
+        return (f"{what}, which needs both attention caches in one layout of vLLM's CPU kernels or GPU backends "
+                f"(announced: {src.cache_layout or 'unknown'} -> {dst.cache_layout or 'unknown'})")
     return None
 
 

@@ -39,7 +39,7 @@ from services.kv_connector.layouts.mapping import (
 )
 from services.kv_connector.layouts.physical import mismatch
 from services.kv_connector.layouts.pages import KVLayout, LayerInfo
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
+from services.kv_connector.layouts.spec import DTYPE_BYTES, SLICEABLE_LAYOUTS, AttentionLayer, LayoutSpec, LinearLayer
 
 SEPARATOR = b"\n"
 MAX_PLANS = 64
@@ -89,14 +89,20 @@ class Reblocker:
         src, dst = self._src_layers[layer.name], self._dst_layers[layer.name]
         assert isinstance(src, AttentionLayer) and isinstance(dst, AttentionLayer)
         src_block_size = self.src.block_sizes[src.group]
-        view = attention_view(self._layout.caches[layer.name], dst, self.dst.block_sizes[dst.group])
+        view = attention_view(self._layout.caches[layer.name], dst, self.dst.block_sizes[dst.group],
+                              self.dst.cache_layout)
+        if not self.sliced:  # the producer's whole pages, as its cache holds them
+            page = from_payload(payload, self.src.dtype,
+                                (num_blocks, src.kv.num_local_units, src_block_size, 2 * src.head_size))
+            pages = attention_view(page, src, src_block_size, self.src.cache_layout)
         offset = 0
         for piece, mine in self._pieces.get(layer.name, ()):
             shape = (num_blocks, piece.num_units, 2, src_block_size, src.head_size)
             size = math.prod(shape) * DTYPE_BYTES[self.src.dtype]
             if mine:
-                source = from_payload(payload[offset:offset + size], self.src.dtype, shape)
-                write_attention(view, block_ids, source, piece, first_block, src_block_size)
+                source = from_payload(payload[offset:offset + size], self.src.dtype, shape) if self.sliced else \
+                    pages[:, piece.src_start:piece.src_start + piece.num_units]
+                write_attention(view, block_ids, source, piece, first_block, src_block_size, self.dst.cache_layout)
             offset += size
 
     def fits_state_page(self, layer: LayerInfo, num_bytes: int) -> bool:
@@ -175,8 +181,8 @@ class ReblockPlans:
             return f"{mismatch}: {result.reason}"
         if problem := data_path_problem(result, src, dst):
             return f"{mismatch}: {problem}"
-        if not src.cache_layout == dst.cache_layout == CPU_K_TRANSPOSED:
-            return f"{mismatch}: re-blocking reads the cache layout of vLLM's CPU kernels only"
+        if src.cache_layout != dst.cache_layout or dst.cache_layout not in SLICEABLE_LAYOUTS:
+            return f"{mismatch}: re-blocking reads attention caches of one known layout only"
         if src.tp_size == dst.tp_size:  # whole pages from the rank of the same number, every head written
             if via is not None or src.tp_rank != dst.tp_rank:
                 return f"{mismatch}: producer TP rank {src.tp_rank} sent to consumer TP rank {dst.tp_rank}"

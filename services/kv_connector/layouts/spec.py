@@ -25,6 +25,10 @@ CONV_LAYOUTS = ("SD", "DS")  # vLLM's conv state orientation: (state_len, dim) o
 # vLLM's CPU attention cache, [blocks, heads, block_size, 2 x head_size]: per (block, head) its K
 # transposed ([head_size, block_size]), then its V ([block_size, head_size]) (``apply``)
 CPU_K_TRANSPOSED = "cpu-k-transposed"
+# vLLM 0.32's GPU attention backends: [blocks, heads, block_size, 2 x head_size] logically (strided
+# token-major LBNHC or head-major LBHNC, ``physical``), each token's K then V side by side, tokens in order
+TOKEN_ROWS = "kv-token-rows"
+SLICEABLE_LAYOUTS = (CPU_K_TRANSPOSED, TOKEN_ROWS)  # the layouts ``apply`` slices and re-blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +168,8 @@ Layer = AttentionLayer | LinearLayer
 class LayoutSpec:
     """One rank's KV layout: layers in registration order, each naming its KV-cache group; block
     sizes per group (tokens per block for attention groups). ``cache_layout`` names the attention
-    cache's memory layout where the announcing side knows it (``CPU_K_TRANSPOSED``), ``""`` unknown."""
+    cache's memory layout where the announcing side knows it (``CPU_K_TRANSPOSED``, ``TOKEN_ROWS``),
+    ``""`` unknown."""
     model: str
     dtype: str
     tp_rank: int

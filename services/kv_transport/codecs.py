@@ -9,19 +9,23 @@ always travel raw (codec ``none``, row size 0).
 
 - ``none``: the payload is the engine's cache bytes as they are.
 - ``fp8``: ``n`` little-endian float32 scales, then ``n`` rows of ``row_elems`` float8 e4m3 (fn)
-  values; value ``v`` of row ``r`` stands for ``v * scale[r]``. The producer makes a row of each
-  (block, KV head, K or V), so every scale travels with the head it belongs to.
+  values; value ``v`` of row ``r`` stands for ``v * scale[r]``.
+- ``int8``: the same with signed 8-bit integers in [-127, 127]: uniform steps of ``scale[r]`` over
+  the row, finer than e4m3's 3-bit mantissa for values near the row's largest.
+
+The producer's rows never straddle two KV heads or K and V (``kv_connector.codecs.coding_of``), so
+every scale travels with the head it belongs to.
 """
 from __future__ import annotations
 
 import numpy
 
-NONE, FP8 = 0, 1
-CODECS = {"none": NONE, "fp8": FP8}
+NONE, FP8, INT8 = 0, 1, 2
+CODECS = {"none": NONE, "fp8": FP8, "int8": INT8}
 NAMES = {code: name for name, code in CODECS.items()}
-PREFERENCE = (FP8, NONE)  # of the codecs both ends offer, the first of these is used
+PREFERENCE = (INT8, FP8, NONE)  # of the codecs both ends offer, the first of these is used
 SCALE_BYTES = 4
-VALUE_BYTES = {FP8: 1}
+VALUE_BYTES = {FP8: 1, INT8: 1}
 _FP8_NAN = 0x7F  # e4m3fn has no infinities; its NaNs are S.1111.111
 
 
@@ -55,6 +59,8 @@ def payload_problem(codec: int, row_elems: int, agreed: int, payload: memoryview
     if not numpy.isfinite(scales).all() or (scales < 0).any():
         return "scales that are negative or not finite"
     values = numpy.frombuffer(payload, numpy.uint8, offset=rows * SCALE_BYTES)
-    if ((values & _FP8_NAN) == _FP8_NAN).any():
+    if codec == FP8 and ((values & _FP8_NAN) == _FP8_NAN).any():
         return "values that are NaN"
+    if codec == INT8 and (values == 0x80).any():
+        return "values of -128 (int8 values lie in [-127, 127])"
     return None

@@ -61,10 +61,10 @@ class TransportSettings:
                                          "authenticated or not; more are closed at accept (counted as refused).")
     telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
     codec: str = _opt("none", "Codec of attention KV on the link from the PrfaaS cluster: `none` (the engine's cache "
-                      "dtype as it is) or `fp8` (float8 e4m3 values with a float32 scale per block, KV head and "
-                      "K or V: a quarter of float32's bytes, half of bfloat16's, with a small quality cost: "
-                      "docs/wire-codecs.md). PrfaaS prefill workers code what they send and decode workers accept "
-                      "it; both ends must offer it at the KV handshake, else KV travels raw. Linear-attention "
+                      "dtype as it is), `int8` or `fp8` (8-bit values with a float32 scale per row of one K channel "
+                      "or a few tokens: about half of bfloat16's bytes, a quarter of float32's; int8 costs less "
+                      "quality: docs/wire-codecs.md). PrfaaS prefill workers code what they send and decode workers "
+                      "accept it; both ends must offer it at the KV handshake, else KV travels raw. Linear-attention "
                       "state, local PD transfers and cache-pool blocks always travel raw.")
 
     @classmethod

@@ -8,9 +8,10 @@ import dataclasses
 
 from services.planner.inputs import PlanInputError, PlanInputs
 
-# Bytes on the link per byte of a 16-bit (bfloat16 / float16) cache: fp8 keeps one byte per value, plus
-# a 4-byte scale per row of block x head size values (>= 1,024 values: under 0.4%, not counted).
-WIRE_RATIOS = {"none": 1.0, "fp8": 0.5}
+# Bytes on the link per byte of a 16-bit (bfloat16 / float16) cache: fp8 and int8 keep one byte per
+# value, plus a 4-byte scale per row of 128 values (a GPU backend's head size; the CPU block):
+# (128 + 4) / 256.
+WIRE_RATIOS = {"none": 1.0, "fp8": 132 / 256, "int8": 132 / 256}
 
 
 def wire_ratio(codec: str) -> float:

@@ -20,13 +20,15 @@ def _narrow(gbps: float):
     return dataclasses.replace(inputs, prfaas_pd=dataclasses.replace(inputs.prfaas_pd, cross_cluster_gbps=gbps))
 
 
-def test_fp8_halves_the_kv_on_the_link_and_none_changes_nothing():
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_a_codec_about_halves_the_kv_on_the_link_and_none_changes_nothing(codec):
     inputs = load_plan_inputs(DEFAULT_CONFIG)
     assert with_codec(inputs, "none") is inputs
-    coded = with_codec(inputs, "fp8")
+    coded = with_codec(inputs, codec)
     raw_profile = inputs.prefill_profiles[inputs.prfaas_pd.prfaas_profile]
     coded_profile = coded.prefill_profiles[coded.prfaas_pd.prfaas_profile]
-    assert coded_profile.kv_size_mib == tuple(s / 2 for s in raw_profile.kv_size_mib)
+    # a byte per value and a 4-byte scale per row of 128 values
+    assert coded_profile.kv_size_mib == pytest.approx(tuple(s * 132 / 256 for s in raw_profile.kv_size_mib))
     assert coded.prefill_profiles[inputs.prfaas_pd.prfaas_profile] == raw_profile  # the raw one stays for others
     assert coded.paper_results is None
 
@@ -53,4 +55,4 @@ def test_plan_reports_the_codec_only_when_given():
         return json.loads(run.stdout)
 
     assert "codec" not in plan()
-    assert plan("--codec", "fp8")["codec"] == {"name": "fp8", "wire_ratio": 0.5}
+    assert plan("--codec", "fp8")["codec"] == {"name": "fp8", "wire_ratio": 132 / 256}

@@ -14,6 +14,7 @@ from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
 from services.logs import bind_request_id
 from services.worker_api import convert
+from services.worker_api.types import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ class DecodeWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.DecodeWorkerServic
         generate_input = convert.generate_input_from_proto(request)
         if not generate_input.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if generate_input.sampling.top_logprobs > MAX_TOP_LOGPROBS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.top_logprobs is "
+                                f"{generate_input.sampling.top_logprobs}; at most {MAX_TOP_LOGPROBS}")
         logger.debug("request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         stream = self._engine.generate(generate_input)
         try:

@@ -8,6 +8,10 @@ from pathlib import Path
 from services.config import DeploymentConfig, EngineConfig, ModelConfig, WorkerConfig
 
 BUILTIN_PREFIX = "builtin:"
+# Set to 1 in a PrfaaS worker's `env`: its coded sends carry one scale per frame instead of one per
+# (block, head, K or V), as an FP8 cache with one static scale per tensor would. Only to measure the
+# codec against that anchor (bench/wire_codec_quality.py); docs/wire-codecs.md.
+SCALE_PER_TENSOR_ENV = "PRFAAS_CODEC_SCALE_PER_TENSOR"
 
 
 def resolve_model_path(model: ModelConfig) -> Path:
@@ -38,6 +42,7 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig, stats_dir
                                  logging={"service": worker.name, "level": config.logging.level,
                                           "json_lines": config.logging.json},
                                  stats_dir=str(stats_dir) if stats_dir is not None else None,
+                                 code_sends=worker.cluster == "prfaas", codec_scale_per_tensor=codec_scale_per_tensor(),
                                  **cache_pool_settings(config, worker))
     return KVTransferConfig(
         kv_connector="PrfaasConnector",
@@ -46,6 +51,14 @@ def kv_transfer_config(config: DeploymentConfig, worker: WorkerConfig, stats_dir
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=settings.to_extra_config(),
     )
+
+
+def codec_scale_per_tensor() -> bool:
+    """Whether ``SCALE_PER_TENSOR_ENV`` asks for the per-tensor anchor; ValueError when it is not 0 or 1."""
+    value = os.environ.get(SCALE_PER_TENSOR_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SCALE_PER_TENSOR_ENV}: {value!r} is not 0 or 1")
+    return value == "1"
 
 
 def _plain(section) -> dict:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from services.config import ConfigError, load_config
+from services.engine.args import codec_scale_per_tensor
 from services.logs import setup_logging
 from services.security import check_listeners
 from services.security.exposure import worker_listeners
@@ -49,6 +50,11 @@ def run_worker_command(args: argparse.Namespace, service: str, add_servicer) -> 
         print(f"prfaas: {exc}", file=sys.stderr)
         return 2
     os.environ.update({str(k): str(v) for k, v in worker.env.items()})
+    try:
+        codec_scale_per_tensor()
+    except ValueError as exc:
+        print(f"prfaas: worker {worker.name!r}: {exc}", file=sys.stderr)
+        return 2
     import uvloop
 
     from services.engine.serve import serve_worker

@@ -130,6 +130,7 @@ def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):
         stop=list(sampling.stop) or None,
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.top_logprobs or None,
         output_kind=RequestOutputKind.DELTA,
         extra_args=kv_transfer.to_extra_args() if kv_transfer else None,
     )
@@ -143,4 +144,14 @@ def _delta(output) -> TokenDelta:
         finish_reason=completion.finish_reason if output.finished else None,
         num_prompt_tokens=len(output.prompt_token_ids or ()),
         num_cached_tokens=output.num_cached_tokens or 0,
+        top_logprobs=_top_logprobs(completion.logprobs),
     )
+
+
+def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """vLLM's per-token logprobs (a dict of token id to ``Logprob`` per position) as (token id, log
+    probability) pairs, most likely first; () when the request asked for none."""
+    if not logprobs:
+        return ()
+    return tuple(tuple(sorted(((token, entry.logprob) for token, entry in position.items()),
+                              key=lambda pair: -pair[1])) for position in logprobs)

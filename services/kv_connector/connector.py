@@ -52,7 +52,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                                                 transport.recv_idle_timeout_s,
                                                 self.settings.max_early_bytes, self.settings.layerwise,
                                                 transport.recv_first_frame_timeout_s,
-                                                self.settings.host_ring_bytes, self.settings.host_ring_slot_bytes)
+                                                self.settings.host_ring_bytes, self.settings.host_ring_slot_bytes,
+                                                self.settings.code_sends)
             self.pool_worker = PoolWorker(*pool, rank=tp_rank) if pool else None
             self._tp_rank = tp_rank
         self.publisher: StatsPublisher | None = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
 
@@ -32,6 +33,12 @@ class ConnectorSettings:
     # it): a full ring makes a save wait, it never allocates. Slots hold at least one block.
     host_ring_bytes: int = DEFAULT_RING_BYTES
     host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES
+    # Code the attention KV this engine sends with the codec its peer agreed on (`transport.codec`): set
+    # for the PrfaaS cluster's workers, whose KV crosses the inter-datacenter link; others send raw.
+    code_sends: bool = False
+    # One scale per frame instead of one per (block, head, K or V): what an FP8 cache with a static
+    # per-tensor scale does. Only for measuring the codec against it (bench/wire_codec_quality.py).
+    codec_scale_per_tensor: bool = False
 
     @classmethod
     def of(cls, extra: dict) -> "ConnectorSettings":
@@ -74,7 +81,9 @@ class ConnectorSettings:
 
     def open_streams(self, tp_rank: int = 0):
         """The transport of one TP rank: rank r of a receiving engine listens at ``listen_port + r``."""
+        from services.kv_connector.codecs import encode
         from services.kv_transport import KVTransport, TransportSettings
 
         port = self.listen_port + tp_rank if self.listen_port is not None else None
-        return KVTransport(TransportSettings.of(self.transport), self.listen_host, port)
+        encoder = partial(encode, per_tensor=self.codec_scale_per_tensor) if self.code_sends else None
+        return KVTransport(TransportSettings.of(self.transport), self.listen_host, port, encoder)

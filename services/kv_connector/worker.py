@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
+from services.kv_connector.codecs import coding_of, decode
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.producer import LayerSaver
 from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
@@ -44,6 +45,7 @@ from services.kv_connector.layouts.tp_routes import (
     wire_id,
 )
 from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed
+from services.kv_transport.codecs import NONE
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,9 @@ class TransferResults:
 class PrfaasConnectorWorker:
     def __init__(self, streams_factory, idle_timeout_s: float, max_early_bytes: int, layerwise: bool = True,
                  first_frame_timeout_s: float | None = None, host_ring_bytes: int = DEFAULT_RING_BYTES,
-                 host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+                 host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES, code_sends: bool = False) -> None:
         self._streams_factory = streams_factory
+        self._code_sends = code_sends
         self._ring_bytes, self._slot_bytes = host_ring_bytes, host_ring_slot_bytes
         self._rings: list[HostRing] = []
         self._saver: LayerSaver | None = None
@@ -214,8 +217,8 @@ class PrfaasConnectorWorker:
 
     def _end(self, send: SendSpec, destinations: list[tuple[str, str, Route]]) -> None:
         """After the transfer's last copy was handed on (the sender's thread, in order)."""
-        for peer, wire, frame in self._deferred.pop(send.transfer_id, ()):
-            self.streams.send(peer, wire, *frame)
+        for peer, wire, frame, coding in self._deferred.pop(send.transfer_id, ()):
+            self.streams.send(peer, wire, *frame, coding=coding)
         for peer, wire, _ in destinations:
             self.streams.finish(peer, wire)
         logger.debug("request %s: all KV handed to the transport", send.transfer_id)
@@ -258,9 +261,10 @@ class PrfaasConnectorWorker:
         if not ids:
             return
         for peer, wire, route in self._destinations(send):
+            coding = self._coding(layer)
             if route.pieces is None:
                 self._saver.save(self.layout.caches[layer.name], layer.block_dim, ids,
-                                 self._deliverer(send, peer, wire, layer, first))
+                                 self._deliverer(send, peer, wire, layer, first, coding))
                 continue
             if not (pieces := route.pieces.get(layer.name)):
                 continue
@@ -271,17 +275,25 @@ class PrfaasConnectorWorker:
             # runs of at most one frame: the transport splits a payload by whole blocks, which would
             # cut across the pieces of a payload that holds several
             self._saver.save_made(partial(_sliced_blocks, view, pieces), block_bytes, ids,
-                                  self._deliverer(send, peer, wire, layer, first), self._frame_bytes())
+                                  self._deliverer(send, peer, wire, layer, first, coding), self._frame_bytes())
 
-    def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int):
+    def _coding(self, layer: LayerInfo):
+        """How the transport may code this attention layer's payloads (None: raw): only on an engine
+        that codes what it sends (``ConnectorSettings.code_sends``), in rows of one (block, head, K or V)."""
+        if not self._code_sends or layer.block_dim != 0:
+            return None
+        return coding_of(self.layout.caches[layer.name])
+
+    def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int, coding=None):
         """The saver's ``deliver`` for one layer's blocks from block ``first`` of the request on."""
         def deliver(offset: int, count: int, payload: memoryview, release) -> None:
             if self._layerwise:
-                self.streams.send(peer, wire, layer.index, layer.group, first + offset, count, payload, on_sent=release)
+                self.streams.send(peer, wire, layer.index, layer.group, first + offset, count, payload,
+                                  on_sent=release, coding=coding)
                 return
             frame = (layer.index, layer.group, first + offset, count, memoryview(bytes(payload)))
             release()  # held to the prefill's end: a copy, so the ring keeps moving
-            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame))
+            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame, coding))
         return deliver
 
     def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:
@@ -397,8 +409,13 @@ class PrfaasConnectorWorker:
                     self.forwarder.put(self.streams.finish, peer, forwarded)
 
     def _apply(self, frame: Frame, receiving: _Receiving, stream: _Stream) -> str | None:
-        """Copy one frame into the request's blocks (and pass it on to the ranks that replicate its
-        units); returns an error text instead of raising."""
+        """Copy one frame into the request's blocks, decoded first (and pass it on, decoded, to the
+        ranks that replicate its units); returns an error text instead of raising."""
+        if frame.codec != NONE:
+            decoded = self._decoded(frame)
+            if isinstance(decoded, str):
+                return decoded
+            frame = decoded
         error = self._write(frame, receiving, stream)
         if error is None and stream.forward_to:
             payload = bytes(frame.payload)  # the received buffer is the receiver's to reuse
@@ -406,6 +423,15 @@ class PrfaasConnectorWorker:
                 self.forwarder.put(self.streams.send, peer, wire, frame.layer, frame.group, frame.block_start,
                                    frame.num_blocks, payload)
         return error
+
+    def _decoded(self, frame: Frame) -> Frame | str:
+        """A coded frame (checked against its codec on arrival) in this engine's cache dtype; coded
+        state pages are refused: they always travel lossless."""
+        layer = self.layout.by_index.get(frame.layer)
+        if layer is None or layer.group != frame.group or self.layout.is_state_group[layer.group]:
+            return f"coded frame for layer {frame.layer} / group {frame.group}, which is not attention KV"
+        payload = decode(frame.codec, frame.payload, frame.row_elems, self.layout.caches[layer.name].dtype)
+        return replace(frame, payload=payload, codec=NONE, row_elems=0)
 
     def _write(self, frame: Frame, receiving: _Receiving, stream: _Stream) -> str | None:
         spec = receiving.spec

@@ -4,13 +4,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from services.kv_transport.codecs import NONE
 from services.kv_transport.protocol import DATA, LAYOUT
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer; or, of kind
-    LAYOUT, the sender's KV layout (see ``protocol``)."""
+    """Blocks ``[block_start, block_start + num_blocks)`` of one layer of one transfer, coded with
+    ``codec`` (``row_elems`` values per scale; checked against the handshake: ``codecs``); or, of
+    kind LAYOUT, the sender's KV layout (see ``protocol``)."""
 
     transfer_id: str
     layer: int
@@ -19,6 +21,8 @@ class Frame:
     num_blocks: int
     payload: memoryview
     kind: int = DATA
+    codec: int = NONE
+    row_elems: int = 0
 
     @property
     def is_layout(self) -> bool:

@@ -1,13 +1,18 @@
-"""The KV stream wire format, version 3.
+"""The KV stream wire format, version 4.
 
-A connection starts with a handshake (client → server) that checks the protocol version and
-proves, in both directions, knowledge of the shared secret without sending it::
+A connection starts with a handshake (client → server) that checks the protocol version, agrees on
+a KV codec (``codecs``) and proves, in both directions, knowledge of the shared secret without
+sending it; the offers are inside the proofs, so no one between the ends can change them::
 
-    C: HELLO      magic "PFKV", version, client nonce
-    S: CHALLENGE  magic, version, status 0, server nonce, HMAC(secret, "S" | client nonce | server nonce)
+    C: HELLO      magic "PFKV", version, client nonce, then the client's codec offer
+    S: CHALLENGE  magic, version, status 0, server nonce, server offer,
+                  HMAC(secret, "S" | client nonce | server nonce | client offer | server offer)
        or REFUSE  magic, version, status 1, reason          (and closes)
-    C: PROOF      HMAC(secret, "C" | server nonce | client nonce)
+    C: PROOF      HMAC(secret, "C" | server nonce | client nonce | client offer | server offer)
     S: OK (status 0) or REFUSE (status 1, reason)
+
+An offer is a bit mask of codec ids; both ends take the preferred codec both offer
+(``codecs.agree``), ``none`` when they share no other.
 
 Then only frames flow, client → server: a fixed header, the transfer id, the payload. Frames of
 one transfer may travel on different connections; ``seq`` numbers them and the END frame carries
@@ -16,13 +21,16 @@ their count, so the receiver knows when a transfer is complete whatever the arri
 Frame kinds:
 
 - DATA: blocks ``[block_start, block_start + num_blocks)`` of layer ``layer`` of KV-cache group
-  ``group``. A cache pool's transfer moves whole blocks instead, one per DATA frame: there ``layer``
-  is the block's index in the transfer (``block_frame_fields``; read back as ``Frame.block_index``).
+  ``group``, coded with ``codec`` (``none``, or the codec of the handshake; ``row_elems`` values per
+  scale, 0 when raw: ``codecs`` has the payload formats). A cache pool's transfer moves whole blocks
+  instead, one per DATA frame: there ``layer`` is the block's index in the transfer
+  (``block_frame_fields``; read back as ``Frame.block_index``).
 - LAYOUT: the producer's KV layout (payload): its fingerprint, then a newline and its ``LayoutSpec``
   where it can describe itself (``kv_connector/layouts/reblock.py``). The consumer writes no block before it
   has checked it: identical layouts copy pages as they are, others are re-blocked or refused.
   ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 2 sent the fingerprint
   alone; version 1 sent it as a DATA frame of layer 0xFFFF.)
+  Version 3 had no codec in the handshake or the header.
 - END: no more frames; ``seq`` is how many DATA and LAYOUT frames the transfer has.
 - ABORT: the sender gave up on the transfer; the payload says why.
 """
@@ -38,7 +46,9 @@ from typing import Literal, NoReturn, overload
 
 import xxhash
 
-PROTOCOL_VERSION = 3
+from services.kv_transport.codecs import NONE, agree
+
+PROTOCOL_VERSION = 4
 MAGIC = b"PFKV"
 MAX_TRANSFER_ID_BYTES = 255
 
@@ -46,9 +56,11 @@ DATA, END, ABORT, LAYOUT = 0, 1, 2, 3
 KINDS = (DATA, END, ABORT, LAYOUT)
 COUNTED_KINDS = (DATA, LAYOUT)  # the frames END counts, handed to the receiving user
 
-# magic, version, kind, id length, layer, group, block start, block count, seq, payload length, xxh3-64
-HEADER = struct.Struct("!4sBBBxHHIIIQQ")
+# magic, version, kind, id length, codec, layer, group, block start, block count, seq, values per scale,
+# payload length, xxh3-64
+HEADER = struct.Struct("!4sBBBBHHIIIIQQ")
 _HELLO = struct.Struct("!4sH32s")
+_OFFER = struct.Struct("!H")
 _REPLY = struct.Struct("!4sHB")
 _NONCE = 32
 
@@ -78,6 +90,8 @@ class FrameHeader:
     seq: int
     length: int
     digest: int
+    codec: int = NONE
+    row_elems: int = 0
 
 
 def block_frame_fields(index: int, group: int) -> tuple[int, int, int, int]:
@@ -87,12 +101,12 @@ def block_frame_fields(index: int, group: int) -> tuple[int, int, int, int]:
 
 
 def encode_header(kind: int, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-                  seq: int, payload: Bytes) -> bytes:
+                  seq: int, payload: Bytes, codec: int = NONE, row_elems: int = 0) -> bytes:
     tid = transfer_id.encode()
     if len(tid) > MAX_TRANSFER_ID_BYTES:
         raise ValueError(f"transfer id longer than {MAX_TRANSFER_ID_BYTES} bytes")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(tid), layer, group, block_start, num_blocks, seq,
-                       len(payload), checksum(payload)) + tid
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(tid), codec, layer, group, block_start, num_blocks, seq,
+                       row_elems, len(payload), checksum(payload)) + tid
 
 
 def checksum(payload: Bytes) -> int:
@@ -109,28 +123,30 @@ def read_header(conn: socket.socket, max_frame_bytes: int) -> FrameHeader | None
     return finish_header(fields, recv_exactly(conn, fields[1]), max_frame_bytes)
 
 
-HeaderFields = tuple[int, int, int, int, int, int, int, int, int]
+HeaderFields = tuple[int, int, int, int, int, int, int, int, int, int, int]
 
 
 def unpack_fixed(raw: Bytes) -> HeaderFields:
     """The fixed part of a header (``HEADER.size`` bytes), checked: (kind, length of the transfer id
-    that follows, layer, group, block start, block count, seq, payload length, digest)."""
-    magic, version, kind, tid_len, layer, group, start, count, seq, length, digest = HEADER.unpack(raw)
+    that follows, layer, group, block start, block count, seq, payload length, digest, codec, values
+    per scale)."""
+    magic, version, kind, tid_len, codec, layer, group, start, count, seq, row_elems, length, digest = \
+        HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic (stream out of sync)")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"frame of protocol version {version}, expected {PROTOCOL_VERSION}")
     if kind not in KINDS:
         raise ProtocolError(f"unknown frame kind {kind}")
-    return kind, tid_len, layer, group, start, count, seq, length, digest
+    return kind, tid_len, layer, group, start, count, seq, length, digest, codec, row_elems
 
 
 def finish_header(fields: HeaderFields, raw_tid: Bytes, max_frame_bytes: int) -> FrameHeader:
-    kind, _, layer, group, start, count, seq, length, digest = fields
+    kind, _, layer, group, start, count, seq, length, digest, codec, row_elems = fields
     transfer_id = bytes(raw_tid).decode(errors="replace")
     if length > max_frame_bytes:
         raise ProtocolError(f"oversized frame: {length} bytes announced, limit {max_frame_bytes}", transfer_id)
-    return FrameHeader(kind, transfer_id, layer, group, start, count, seq, length, digest)
+    return FrameHeader(kind, transfer_id, layer, group, start, count, seq, length, digest, codec, row_elems)
 
 
 @overload
@@ -170,49 +186,57 @@ def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = F
 
 # Handshake -------------------------------------------------------------------------------------
 
-def client_handshake(conn: socket.socket, secret: bytes) -> None:
-    """Authenticate to a receiver; raises HandshakeRefused, or ConnectionError when the peer
-    closes the connection before the handshake is over."""
+def client_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE) -> int:
+    """Authenticate to a receiver, offering the codecs ``codecs`` (``codecs.offer``); the codec
+    agreed on. Raises HandshakeRefused, or ConnectionError when the peer closes the connection
+    before the handshake is over."""
     try:
-        _client_handshake(conn, secret)
+        return _client_handshake(conn, secret, codecs)
     except ProtocolError as exc:
         raise ConnectionError(f"peer closed the connection during the handshake ({exc})") from None
 
 
-def _client_handshake(conn: socket.socket, secret: bytes) -> None:
+def _client_handshake(conn: socket.socket, secret: bytes, ours: int) -> int:
     client_nonce = os.urandom(_NONCE)
-    conn.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, client_nonce))
+    conn.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, client_nonce) + _OFFER.pack(ours))
     version, status = _read_reply(conn)
     if status != 0:
         raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
     server_nonce = recv_exactly(conn, _NONCE)
+    (theirs,) = _OFFER.unpack(recv_exactly(conn, _OFFER.size))
     server_proof = recv_exactly(conn, 32)
-    if not hmac.compare_digest(server_proof, _proof(secret, b"S", client_nonce, server_nonce)):
+    offers = _OFFER.pack(ours) + _OFFER.pack(theirs)
+    if not hmac.compare_digest(server_proof, _proof(secret, b"S", client_nonce, server_nonce, offers)):
         raise HandshakeRefused("peer failed authentication (different transport secret)")
-    conn.sendall(_proof(secret, b"C", server_nonce, client_nonce))
+    conn.sendall(_proof(secret, b"C", server_nonce, client_nonce, offers))
     _, status = _read_reply(conn)
     if status != 0:
         raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
+    return agree(ours, theirs)
 
 
-def server_handshake(conn: socket.socket, secret: bytes) -> None:
+def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE) -> int:
+    """Authenticate a connecting sender, offering the codecs ``codecs``; the codec agreed on."""
     raw = recv_exactly(conn, _HELLO.size)
     magic, version, client_nonce = _HELLO.unpack(raw)
     if magic != MAGIC:
         raise HandshakeRefused("not a PrfaaS KV stream (bad magic)")
     if version != PROTOCOL_VERSION:
         _refuse(conn, f"protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})")
+    (theirs,) = _OFFER.unpack(recv_exactly(conn, _OFFER.size))
+    offers = _OFFER.pack(theirs) + _OFFER.pack(codecs)
     server_nonce = os.urandom(_NONCE)
-    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0) + server_nonce
-                 + _proof(secret, b"S", client_nonce, server_nonce))
+    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0) + server_nonce + _OFFER.pack(codecs)
+                 + _proof(secret, b"S", client_nonce, server_nonce, offers))
     try:
         client_proof = recv_exactly(conn, 32)
     except (ProtocolError, OSError):
         raise HandshakeRefused("peer left the handshake: it could not authenticate this worker "
                                "(different transport secret)") from None
-    if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce)):
+    if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce, offers)):
         _refuse(conn, "authentication failed (different transport secret)")
     conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0))
+    return agree(codecs, theirs)
 
 
 def _refuse(conn: socket.socket, reason: str) -> NoReturn:
@@ -238,5 +262,5 @@ def _read_reason(conn: socket.socket) -> str:
     return recv_exactly(conn, length).decode(errors="replace")
 
 
-def _proof(secret: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, side + first + second, hashlib.sha256).digest()
+def _proof(secret: bytes, side: bytes, first: bytes, second: bytes, offers: bytes) -> bytes:
+    return hmac.new(secret, side + first + second + offers, hashlib.sha256).digest()

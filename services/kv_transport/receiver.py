@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy
 
+from services.kv_transport.codecs import NONE, payload_problem
 from services.kv_transport.events import ByteBudget, Event, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, END, HEADER, FrameHeader, HandshakeRefused,
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, HEADER, FrameHeader, HandshakeRefused,
                                             ProtocolError, checksum, finish_header, read_header, recv_into_exactly,
                                             server_handshake, unpack_fixed)
 from services.kv_transport.settings import TransportSettings
@@ -59,6 +60,7 @@ class _Connection:
     as it was read ahead, and the rest is received straight into its own array."""
     sock: socket.socket
     peer: str
+    codec: int = NONE                  # agreed at the handshake
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_AHEAD_BYTES))
     start: int = 0                     # unparsed bytes are buffer[start:end]
     end: int = 0
@@ -153,7 +155,7 @@ class Receiver:
             conn.settimeout(self._settings.connect_timeout_s)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
-            server_handshake(conn, self._settings.secret_bytes)
+            codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer)
         except HandshakeRefused as exc:
             self._count_refused()
             logger.warning("refused KV connection from %s: %s", peer, exc)
@@ -169,10 +171,10 @@ class Receiver:
             deadline.cancel()
             self._slots.authenticated()
         if self._tls is not None:
-            self._serve_blocking(conn, peer)
+            self._serve_blocking(conn, peer, codec)
             return
         conn.setblocking(False)
-        self._joining.append(_Connection(conn, peer))
+        self._joining.append(_Connection(conn, peer, codec))
         self._wakeup.wake()
         if self._closed:  # the I/O thread may have gone already
             self._close(conn, peer)
@@ -276,7 +278,7 @@ class Receiver:
         header, payload = conn.header, conn.payload
         assert header is not None, "a connection completes only a frame it started"
         conn.header, conn.payload, conn.got = None, _NO_PAYLOAD, 0
-        self._on_payload(header, payload, conn.peer, conn.seen)
+        self._on_payload(header, payload, conn.peer, conn.seen, conn.codec)
         if len(conn.seen) > 1024:
             conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
 
@@ -314,7 +316,7 @@ class Receiver:
 
     # TLS connections: a blocking reader each -------------------------------------------------------
 
-    def _serve_blocking(self, conn: socket.socket, peer: str) -> None:
+    def _serve_blocking(self, conn: socket.socket, peer: str, codec: int) -> None:
         seen: set[str] = set()
         try:
             while True:
@@ -332,7 +334,7 @@ class Receiver:
                 except BaseException:
                     self.staging.release(header.length)
                     raise
-                self._on_payload(header, payload, peer, seen)
+                self._on_payload(header, payload, peer, seen, codec)
         except (ProtocolError, OSError, ssl.SSLError) as exc:
             self._broken(peer, seen, exc)
         finally:
@@ -348,27 +350,27 @@ class Receiver:
 
     # Frames, whichever way they came ---------------------------------------------------------------
 
-    def _on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str]) -> None:
+    def _on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str], codec: int) -> None:
         """A whole frame is in; its staging room was taken and is kept only by a counted frame (DATA
         or LAYOUT) that is handed on."""
         self.bytes_received += header.length
         keep = header.kind in COUNTED_KINDS and not self._is_forgotten(header.transfer_id)
         if not keep:
             self.staging.release(header.length)
-        if checksum(payload) != header.digest:
+        if (problem := _frame_problem(header, payload, codec)) is not None:
             self.frames_rejected += 1
-            logger.warning("request %s: KV frame from %s failed its checksum (layer %d)", header.transfer_id,
-                           peer, header.layer)
+            logger.warning("request %s: KV frame from %s refused (layer %d): %s", header.transfer_id, peer,
+                           header.layer, problem)
             if keep:
                 self.staging.release(header.length)
-            self._fail(header.transfer_id, "checksum mismatch")
+            self._fail(header.transfer_id, problem)
         elif header.kind == ABORT:
             self._fail(header.transfer_id, f"sender aborted: {bytes(payload).decode(errors='replace')}")
         elif header.kind == END:
             self._on_frame(header.transfer_id, None, header.seq)
         elif keep:
             frame = Frame(header.transfer_id, header.layer, header.group, header.block_start,
-                          header.num_blocks, payload, header.kind)
+                          header.num_blocks, payload, header.kind, header.codec, header.row_elems)
             self._on_frame(header.transfer_id, frame, None)
 
     def _on_frame(self, transfer_id: str, frame: Frame | None, expected: int | None) -> None:
@@ -408,6 +410,16 @@ class Receiver:
         self._forgotten[transfer_id] = None
         while len(self._forgotten) > MAX_FORGOTTEN:
             self._forgotten.popitem(last=False)
+
+
+def _frame_problem(header: FrameHeader, payload: memoryview, codec: int) -> str | None:
+    """Why a whole frame is refused: its checksum, or a codec or scales the handshake did not agree
+    on (only DATA frames may be coded)."""
+    if checksum(payload) != header.digest:
+        return "checksum mismatch"
+    if header.kind != DATA:
+        return None if header.codec == NONE and header.row_elems == 0 else "a coded frame that is not DATA"
+    return payload_problem(header.codec, header.row_elems, codec, payload)
 
 
 def _shut(conn: socket.socket) -> None:

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.kv_transport.codecs import NONE
 from services.kv_transport.events import ByteBudget
 from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, Bytes, HandshakeRefused,
                                             client_handshake, encode_header)
@@ -46,6 +47,12 @@ IO_POLL_S = 0.5  # longest wait for socket room before stalled connections are c
 MIN_NOTSENT_LOWAT = 128 << 10  # below this, a fast connection would wait on the I/O thread between frames
 IDLE_CHECK_S = 0.5  # a connection unused this long is checked for a hang-up before it carries a frame
 
+# (dtype name of the engine's cache, values per row): how a payload of attention KV may be coded;
+# each row is one (block, KV head, K or V) of the cache
+Coding = tuple[str, int]
+# encoder(codec, payload, dtype, values per row) -> the coded payload (``codecs`` has the formats)
+Encoder = Callable[[int, memoryview, str, int], Bytes]
+
 
 @dataclass(slots=True)
 class _Outgoing:
@@ -58,6 +65,7 @@ class _Outgoing:
     block_start: int = 0
     num_blocks: int = 0
     on_sent: "_Countdown | None" = None
+    coding: Coding | None = None  # None: never coded (state pages, layouts, cache-pool blocks)
 
 
 class _Countdown:
@@ -85,8 +93,10 @@ class _Transfer:
 
 
 class PeerLink:
-    def __init__(self, peer: str, settings: TransportSettings, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, peer: str, settings: TransportSettings, tls: ssl.SSLContext | None,
+                 encoder: Encoder | None = None) -> None:
         self.peer = peer
+        self._encoder = encoder
         self._address = _parse_peer(peer)
         self._settings = settings
         self._tls = tls
@@ -112,10 +122,11 @@ class PeerLink:
             return sum(1 for transfer in self._transfers.values() if not transfer.failed)
 
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes, on_sent: Callable[[], None] | None = None) -> None:
+             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None) -> None:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure).
         The payload is read until ``on_sent`` is called (from any thread): once it was written to
-        the sockets, or dropped with its transfer."""
+        the sockets, or dropped with its transfer. With ``coding``, each frame is coded with the
+        codec its connection agreed on as it goes out."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
         target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
@@ -125,7 +136,7 @@ class PeerLink:
         for first in starts:
             count = min(blocks_per_frame, num_blocks - first) if num_blocks else 0
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
-            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown)
+            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown, coding)
 
     def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
@@ -152,7 +163,8 @@ class PeerLink:
     # Internals -----------------------------------------------------------------------------------
 
     def _enqueue(self, transfer_id: str, kind: int, payload: memoryview, layer: int = 0, group: int = 0,
-                 block_start: int = 0, num_blocks: int = 0, on_sent: _Countdown | None = None) -> None:
+                 block_start: int = 0, num_blocks: int = 0, on_sent: _Countdown | None = None,
+                 coding: Coding | None = None) -> None:
         with self._cond:
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             if transfer.failed:
@@ -172,7 +184,7 @@ class PeerLink:
             return
         with self._cond:
             self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks,
-                                         on_sent))
+                                         on_sent, coding))
             self._cond.notify()
         if self._want_wake:
             self._wake()
@@ -269,7 +281,7 @@ class PeerLink:
                 continue
             if conn.sock is None:
                 try:
-                    conn.sock = self._connect()
+                    conn.sock, conn.codec = self._connect()
                 except (OSError, HandshakeRefused) as exc:
                     self._release(item)
                     self._fail(item.transfer_id, f"KV connection to {self.peer} failed: {exc}")
@@ -277,12 +289,25 @@ class PeerLink:
                 poller.register(conn.sock, 0)
                 conn.used_by, conn.notsent_lowat = set(), self._settings.notsent_lowat_bytes
             conn.used_by.add(item.transfer_id)
+            codec, payload, row_elems = self._coded(item, conn.codec)
             header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
-                                   item.num_blocks, item.seq, item.payload)
-            conn.item, conn.size = item, len(header) + len(item.payload)
-            conn.views = [memoryview(header)] + ([memoryview(item.payload).cast("B")] if len(item.payload) else [])
+                                   item.num_blocks, item.seq, payload, codec, row_elems)
+            conn.item, conn.size = item, len(header) + len(payload)
+            conn.views = [memoryview(header)] + ([memoryview(payload).cast("B")] if len(payload) else [])
             return True
         return False
+
+    def _coded(self, item: _Outgoing, codec: int) -> tuple[int, Bytes, int]:
+        """(codec, payload, values per scale) of a frame on a connection that agreed on ``codec``;
+        raw when it may not be coded, or when coding fails (raw is always understood)."""
+        if item.coding is None or codec == NONE or self._encoder is None:
+            return NONE, item.payload, 0
+        dtype, row_elems = item.coding
+        try:
+            return codec, self._encoder(codec, item.payload, dtype, row_elems), row_elems
+        except Exception:  # noqa: BLE001 - a codec bug must cost bytes on the wire, not the transfer
+            logger.exception("request %s: KV frame could not be coded; sent raw", item.transfer_id)
+            return NONE, item.payload, 0
 
     def _sent(self, conn: "_Connection") -> None:
         item, conn.item, conn.views = conn.item, None, []
@@ -337,7 +362,8 @@ class PeerLink:
         if item.on_sent is not None:
             item.on_sent.tick()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> tuple[socket.socket, int]:
+        """A connected, authenticated socket and the codec agreed on with the peer."""
         if time.monotonic() < self._unreachable_until:
             raise ConnectionRefusedError("peer unreachable (recent connect failure)")
         sock = None
@@ -347,9 +373,9 @@ class PeerLink:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self._settings.notsent_lowat_bytes)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
-            client_handshake(sock, self._settings.secret_bytes)
+            codec = client_handshake(sock, self._settings.secret_bytes, self._settings.codec_offer)
             sock.setblocking(False)
-            return sock
+            return sock, codec
         except (OSError, HandshakeRefused) as exc:
             if sock is not None:
                 sock.close()
@@ -383,6 +409,7 @@ class _Connection:
     conn_id: int
     clock: Clock
     sock: socket.socket | None = None
+    codec: int = NONE                               # agreed at its handshake
     item: _Outgoing | None = None
     views: list[memoryview] = field(default_factory=list)  # what is left to send of ``item`` (header, payload)
     size: int = 0

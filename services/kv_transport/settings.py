@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from services.kv_transport.codecs import CODECS, offer
+
 _T = TypeVar("_T")
 
 
@@ -58,6 +60,12 @@ class TransportSettings:
     max_connections_per_peer: int = _opt(64, "Connections one peer address may hold open to a receiver, "
                                          "authenticated or not; more are closed at accept (counted as refused).")
     telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
+    codec: str = _opt("none", "Codec of attention KV on the link from the PrfaaS cluster: `none` (the engine's cache "
+                      "dtype as it is), `int8` or `fp8` (8-bit values with a float32 scale per row of one K channel "
+                      "or a few tokens: about half of bfloat16's bytes, a quarter of float32's; int8 costs less "
+                      "quality: docs/wire-codecs.md). PrfaaS prefill workers code what they send and decode workers "
+                      "accept it; both ends must offer it at the KV handshake, else KV travels raw. Linear-attention "
+                      "state, local PD transfers and cache-pool blocks always travel raw.")
 
     @classmethod
     def of(cls, raw: Mapping[str, object] | None) -> "TransportSettings":
@@ -74,6 +82,8 @@ class TransportSettings:
             if expected in (int, float) and isinstance(value, (int, float)) and value <= 0:
                 raise SettingsError(f"transport.{key}: must be positive, got {value!r}")
         settings = cls(**values)
+        if settings.codec not in CODECS:
+            raise SettingsError(f"transport.codec: {settings.codec!r} is not one of {', '.join(CODECS)}")
         if settings.notsent_lowat_bytes >= 1 << 31:
             raise SettingsError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
                               "kernel's socket option (below 2 GiB)")
@@ -93,6 +103,11 @@ class TransportSettings:
     @property
     def secret_bytes(self) -> bytes:
         return (self.secret or os.environ.get(self.secret_env, "")).encode()
+
+    @property
+    def codec_offer(self) -> int:
+        """What this end offers at the KV handshake (``codecs.offer``)."""
+        return offer(self.codec)
 
     @property
     def uses_tls(self) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from services.kv_transport.events import Event, Frame, TransferDone, TransferFailed
 from services.kv_transport.protocol import Bytes, block_frame_fields
 from services.kv_transport.receiver import Receiver
-from services.kv_transport.sender import PeerLink
+from services.kv_transport.sender import Coding, Encoder, PeerLink
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.telemetry import TransportSnapshot
 
@@ -26,9 +26,12 @@ __all__ = ["Frame", "KVTransport", "TransferDone", "TransferFailed"]
 
 class KVTransport:
     def __init__(self, settings: TransportSettings, listen_host: str = "127.0.0.1",
-                 listen_port: int | None = None) -> None:
-        """``listen_port`` None: send only; 0: listen on a free port (see ``port``)."""
+                 listen_port: int | None = None, encoder: Encoder | None = None) -> None:
+        """``listen_port`` None: send only; 0: listen on a free port (see ``port``). ``encoder``
+        codes the payloads sent with a ``coding`` (the connector's, ``kv_connector/codecs.py``);
+        without one everything is sent raw."""
         self.settings = settings
+        self._encoder = encoder
         self.listen_host = listen_host
         if not settings.secret_bytes:
             logger.warning("KV transport has no shared secret (transport.secret or $%s): any process that "
@@ -44,11 +47,12 @@ class KVTransport:
         return self._receiver.port if self._receiver else None
 
     def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes, on_sent: Callable[[], None] | None = None) -> None:
+             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None) -> None:
         """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``. The
         payload is not copied: it must stay unchanged until ``on_sent`` is called (from the sending
-        thread, once it is in the sockets or dropped with a failed transfer)."""
-        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent)
+        thread, once it is in the sockets or dropped with a failed transfer). ``coding``: attention
+        KV that the codec agreed with the peer may code (``sender.Coding``); None: sent raw."""
+        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent, coding)
 
     def send_layout(self, peer: str, transfer_id: str, layout: bytes) -> None:
         """Queue the producer's KV layout (a LAYOUT frame), which the consumer checks before writing blocks."""
@@ -120,7 +124,7 @@ class KVTransport:
         with self._links_lock:
             link = self._links.get(peer)
             if link is None:
-                link = self._links[peer] = PeerLink(peer, self.settings, _client_tls(self.settings))
+                link = self._links[peer] = PeerLink(peer, self.settings, _client_tls(self.settings), self._encoder)
             return link
 
 

@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def add_measured_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--profile`` and ``--workload``, shared with ``prfaas simulate``."""
+    """``--profile``, ``--workload`` and ``--codec``, shared with ``prfaas simulate``."""
+    from services.planner.codec import WIRE_RATIOS
+
     parser.add_argument("--profile", action="append", default=[], metavar="[NAME=]FILE",
                         help="a profile YAML written by `prfaas profile`: its measured prefill curve and decode "
                         "batch replace every prefill and decode profile of the inputs, or with NAME= only that one "
@@ -40,11 +42,16 @@ def add_measured_arguments(parser: argparse.ArgumentParser) -> None:
                         "a request trace (JSON lines or .csv with arrival_s [seconds] or timestamp [ms], "
                         "input_length, optional output_length). Fitted: the prompt-length distribution (truncated "
                         "log-normal), the mean output length, the arrival rate and the inter-arrival CV")
+    parser.add_argument("--codec", choices=sorted(WIRE_RATIOS), help="the wire codec of the PrfaaS link "
+                        "(`transport.codec`, docs/wire-codecs.md): its KV crosses in fewer bytes, e.g. fp8 in half "
+                        "those of a 16-bit cache, so the link carries more tokens per second; default: none, and "
+                        "the report does not mention it")
 
 
 def load_measured_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The planner's inputs with ``--profile`` and ``--workload`` applied, and a report of what they replaced.
     Raises ``PlanInputError``."""
+    from services.planner.codec import wire_ratio, with_codec
     from services.planner.inputs import load_plan_inputs
     from services.planner.measured_profile import apply_profiles, load_profile, split_profile_arg
     from services.planner.measured_workload import load_workload
@@ -58,6 +65,9 @@ def load_measured_inputs(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]
         workload = load_workload(args.workload)
         inputs = workload.apply(inputs)
         measured["measured_workload"] = workload.as_dict()
+    if getattr(args, "codec", None):
+        inputs = with_codec(inputs, args.codec)
+        measured["codec"] = {"name": args.codec, "wire_ratio": wire_ratio(args.codec)}
     if measured:  # the published results are for the typed inputs, not for measured ones
         inputs = dataclasses.replace(inputs, paper_results=None)
     longest = max((entry["prefill"]["lengths"][-1] for entry in measured.get("measured_profiles", ())), default=None)
@@ -76,6 +86,9 @@ def measured_text(measured: dict[str, Any]) -> list[str]:
         lines.append(workload_text(measured["measured_workload"]))
     if "extrapolation" in measured:
         lines.append(f"note: {measured['extrapolation']}")
+    if "codec" in measured:
+        codec = measured["codec"]
+        lines.append(f"wire codec: {codec['name']} (the PrfaaS link carries {codec['wire_ratio']:g} of the KV bytes)")
     return lines
 
 

@@ -18,6 +18,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -30,6 +31,7 @@ def sampling_to_proto(sampling: Sampling) -> pb.SamplingParams:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        top_logprobs=sampling.top_logprobs,
     )
 
 
@@ -68,6 +70,8 @@ def delta_to_proto(delta: TokenDelta) -> pb.GenerateResponse:
         finish_reason=delta.finish_reason or "",
         num_prompt_tokens=delta.num_prompt_tokens,
         num_cached_tokens=delta.num_cached_tokens,
+        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
+                      for top in delta.top_logprobs],
     )
 
 
@@ -78,6 +82,7 @@ def delta_from_proto(msg: pb.GenerateResponse) -> TokenDelta:
         finish_reason=msg.finish_reason or None,
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
+        top_logprobs=tuple(tuple(zip(top.token_ids, top.logprobs)) for top in msg.top_logprobs),
     )
 
 

@@ -17,6 +17,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # the most likely tokens to report at each generated position (MAX_TOP_LOGPROBS)
+
+
+MAX_TOP_LOGPROBS = 20  # vLLM's default `max_logprobs`
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,9 @@ class TokenDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # per token in ``token_ids`` when asked for (``Sampling.top_logprobs``): (token id, log probability)
+    # pairs, most likely first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(slots=True)

@@ -9,14 +9,12 @@ reference engine built as in support/baseline.py.
 """
 from __future__ import annotations
 
-import asyncio
-import random
 import re
 
-import openai
 import pytest
 
 from support.baseline import colocated_greedy
+from support.completions import greedy_completions, random_prompt
 from support.deployment import deployment_config
 from support.ports import free_port
 
@@ -30,9 +28,7 @@ LENGTHS = (129, 257, 513, 769)     # N-1 = 128 (shorter than the budget), then 1
 IN_FLIGHT = (257, 513) * 4         # 8 at once, on both paths
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(length)]
+_prompt = random_prompt
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +58,7 @@ def expected():
 
 
 def _completions(deployment, prompts):
-    async def run():
-        async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="none", max_retries=0,
-                                      timeout=300) as client:
-            return await asyncio.gather(*(client.completions.create(
-                model=MODEL, prompt=p, max_tokens=OUTPUT_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-                for p in prompts))
-
-    return [r.choices[0].text for r in asyncio.run(run())]
+    return [r.choices[0].text for r in greedy_completions(deployment, MODEL, prompts, OUTPUT_TOKENS)]
 
 
 def test_hybrid_state_and_kv_stream_token_exact_on_both_paths(cluster, expected):

@@ -29,7 +29,8 @@ class _Wire:
     def send_layout(self, peer, transfer_id, payload) -> None:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))
 
-    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None) -> None:
+    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
+             coding=None) -> None:
         self.threads.add(threading.current_thread().name)
         self.frames.append(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload))))
         if on_sent is not None:

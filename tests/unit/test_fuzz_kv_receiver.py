@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.kv_transport import Frame, KVTransport, TransferDone, TransportSettings, protocol
+from services.kv_transport import Frame, KVTransport, TransferDone, TransferFailed, TransportSettings, codecs, protocol
 
 SECRET = b"fuzz-secret"
 SETTINGS = TransportSettings(secret=SECRET.decode(), max_frame_bytes=1 << 16, frame_bytes=1 << 16,
@@ -114,3 +115,54 @@ def test_oversized_frames_are_refused_before_any_payload_is_staged(live, size):
     assert rx.snapshot().frames_rejected > rejected
     assert rx._receiver.staging.used == 0
     _good_transfer(rx, tx, peer, f"good-{os.urandom(4).hex()}")
+
+
+FP8_SETTINGS = TransportSettings(secret=SECRET.decode(), max_frame_bytes=1 << 16, frame_bytes=1 << 16,
+                                 handshake_timeout_s=0.5, io_timeout_s=1.0, connections_per_peer=2, codec="fp8")
+
+
+@pytest.fixture(scope="module")
+def live_fp8():
+    rx = KVTransport(FP8_SETTINGS, listen_port=0)
+    yield rx
+    rx.close()
+
+
+def _send_coded(port: int, data: bytes, offer: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        protocol.client_handshake(sock, SECRET, offer)
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(2)
+        while sock.recv(4096):
+            pass
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(transfer_id=FUZZ_IDS, codec=st.integers(0, 255), row_elems=st.integers(0, 40), scales=st.lists(
+    st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=0, max_size=4),
+    values=st.binary(max_size=160), fp8_receiver=st.booleans(), offer_fp8=st.booleans())
+@example(transfer_id="fuzz-ok", codec=1, row_elems=4, scales=[1.0, 2.0], values=b"\x01" * 8, fp8_receiver=True,
+         offer_fp8=True)
+@example(transfer_id="fuzz-raw-link", codec=1, row_elems=4, scales=[1.0], values=b"\x01" * 4, fp8_receiver=False,
+         offer_fp8=True)
+def test_coded_frames_that_do_not_match_the_handshake_are_refused_and_counted(live, live_fp8, transfer_id, codec,
+                                                                              row_elems, scales, values, fp8_receiver,
+                                                                              offer_fp8):
+    rx = live_fp8 if fp8_receiver else live[0]
+    transfer_id = f"{transfer_id}-{os.urandom(4).hex()}"  # a refused transfer's id is remembered as over
+    agreed = codecs.agree(codecs.offer("fp8" if fp8_receiver else "none"), codecs.offer("fp8" if offer_fp8 else "none"))
+    payload = struct.pack(f"<{len(scales)}f", *scales) + values
+    frame = protocol.encode_header(protocol.DATA, transfer_id, 0, 0, 0, 1, 0, payload, codec, row_elems) + payload
+    rejected = rx.snapshot().frames_rejected
+    _send_coded(rx.port, frame, codecs.offer("fp8" if offer_fp8 else "none"))
+    events, deadline = [], time.monotonic() + 2
+    while not events and time.monotonic() < deadline:
+        events = [e for e in rx.poll(0.05) if e.transfer_id == transfer_id]
+    problem = codecs.payload_problem(codec, row_elems, agreed, memoryview(payload))
+    if problem is None:
+        assert isinstance(events[0], Frame) and (events[0].codec, events[0].row_elems) == (codec, row_elems)
+        assert bytes(events[0].payload) == payload
+    else:
+        assert events and isinstance(events[0], TransferFailed), events
+        assert rx.snapshot().frames_rejected == rejected + 1

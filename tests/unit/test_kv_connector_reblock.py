@@ -39,7 +39,8 @@ class _Wire:
     def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))
 
-    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None) -> None:
+    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
+             coding=None) -> None:
         self.frames.append(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload))))
         if on_sent is not None:  # the payload was copied: its memory may be reused
             on_sent()

@@ -21,7 +21,8 @@ from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, TOKEN_ROWS
 from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
-from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
+from services.kv_connector.codecs import encode
+from services.kv_transport import Frame, TransferDone, TransferFailed, codecs, protocol
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 4, 4, 4, 4, 3  # at TP 4 the 2 KV heads are replicated, these not
@@ -41,8 +42,16 @@ class _Wire:
     def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
         self.sent.append((peer, Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT)))
 
-    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None) -> None:
-        self.sent.append((peer, Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload)))))
+    codec = codecs.NONE  # what the handshake agreed on (tests/unit/test_wire_codecs.py sets fp8)
+
+    def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
+             coding=None) -> None:
+        frame = Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload)))
+        if coding is not None and self.codec != codecs.NONE:  # coded as the transport codes it
+            coded = memoryview(bytes(encode(self.codec, memoryview(payload).cast("B"), *coding)))
+            frame = Frame(transfer_id, layer, group, block_start, num_blocks, coded, protocol.DATA, self.codec,
+                          coding[1])
+        self.sent.append((peer, frame))
         if on_sent is not None:  # the payload was copied: its memory may be reused
             on_sent()
 
@@ -64,7 +73,7 @@ class _Wire:
 
 
 def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int = HEADS,
-          layout: str = "cpu") -> PrfaasConnectorWorker:
+          code_sends: bool = False, layout: str = "cpu") -> PrfaasConnectorWorker:
     """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer
     of ``kv_heads`` KV heads, group 1) at ``tp_size``, caches random (``fill``) or zero, the attention
     cache in vLLM's CPU layout (``layout`` "cpu") or as its GPU backends register it, a strided
@@ -89,7 +98,8 @@ def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int
               "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
     spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads,
                           cache_layout=CPU_K_TRANSPOSED if layout == "cpu" else TOKEN_ROWS)
-    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank), idle_timeout_s=10.0, max_early_bytes=1 << 24)
+    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank), idle_timeout_s=10.0, max_early_bytes=1 << 24,
+                                   code_sends=code_sends)
     worker.register_kv_caches(KVLayout(config, caches), spec)
     return worker
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/worker.proto\x12\tprfaas.v1\"\x9e\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.prfaas.v1.KvSource\"\x1f\n\x08KvSource\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x80\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x19\n\x11kv_target_tp_size\x18\x05 \x01(\r\"`\n\x0fPrefillResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xd9\x05\n\x0bWorkerStats\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x1b\n\x13num_active_requests\x18\n \x01(\r\x12(\n\x08kv_links\x18\x0b \x03(\x0b\x32\x16.prfaas.v1.KvLinkStats\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_frames_rejected\x18\r \x01(\x04\x12\x1e\n\x16kv_connections_refused\x18\x0e \x01(\x04\x12\x1d\n\x15kv_pool_tokens_loaded\x18\x0f \x01(\x04\x12\x1d\n\x15kv_pool_tokens_stored\x18\x10 \x01(\x04\x12\x1c\n\x14kv_pool_loads_failed\x18\x11 \x01(\x04\x12\x1d\n\x15kv_pool_stores_failed\x18\x12 \x01(\x04\x12?\n\rgrpc_rejected\x18\x13 \x03(\x0b\x32(.prfaas.v1.WorkerStats.GrpcRejectedEntry\x12\x13\n\x0blayout_spec\x18\x14 \x01(\x0c\x12\x1b\n\x13kv_protocol_version\x18\x15 \x01(\r\x12\x1e\n\x16kv_transfers_receiving\x18\x16 \x01(\r\x12\x1c\n\x14kv_transfers_sending\x18\x17 \x01(\r\x1a\x33\n\x11GrpcRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xe2\x01\n\x0bKvLinkStats\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0etransfers_sent\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x13\n\x0bgoodput_bps\x18\x06 \x01(\x01\x12\x13\n\x0bretransmits\x18\x07 \x01(\x04\x12\x0e\n\x06rtt_ms\x18\x08 \x01(\x01\x12\x15\n\rcwnd_segments\x18\t \x01(\x04\x12\x19\n\x11\x64\x65livery_rate_bps\x18\n \x01(\x01\x32\x92\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x1b.prfaas.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats2\x8e\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x1a.prfaas.v1.PrefillResponse\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/worker.proto\x12\tprfaas.v1\"\xb4\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\rB\x07\n\x05_seed\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.prfaas.v1.KvSource\"\x1f\n\x08KvSource\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xae\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.prfaas.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x19\n\x11kv_target_tp_size\x18\x05 \x01(\r\"`\n\x0fPrefillResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xd9\x05\n\x0bWorkerStats\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x1b\n\x13num_active_requests\x18\n \x01(\r\x12(\n\x08kv_links\x18\x0b \x03(\x0b\x32\x16.prfaas.v1.KvLinkStats\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_frames_rejected\x18\r \x01(\x04\x12\x1e\n\x16kv_connections_refused\x18\x0e \x01(\x04\x12\x1d\n\x15kv_pool_tokens_loaded\x18\x0f \x01(\x04\x12\x1d\n\x15kv_pool_tokens_stored\x18\x10 \x01(\x04\x12\x1c\n\x14kv_pool_loads_failed\x18\x11 \x01(\x04\x12\x1d\n\x15kv_pool_stores_failed\x18\x12 \x01(\x04\x12?\n\rgrpc_rejected\x18\x13 \x03(\x0b\x32(.prfaas.v1.WorkerStats.GrpcRejectedEntry\x12\x13\n\x0blayout_spec\x18\x14 \x01(\x0c\x12\x1b\n\x13kv_protocol_version\x18\x15 \x01(\r\x12\x1e\n\x16kv_transfers_receiving\x18\x16 \x01(\r\x12\x1c\n\x14kv_transfers_sending\x18\x17 \x01(\r\x1a\x33\n\x11GrpcRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xe2\x01\n\x0bKvLinkStats\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0etransfers_sent\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x13\n\x0bgoodput_bps\x18\x06 \x01(\x01\x12\x13\n\x0bretransmits\x18\x07 \x01(\x04\x12\x0e\n\x06rtt_ms\x18\x08 \x01(\x01\x12\x15\n\rcwnd_segments\x18\t \x01(\x04\x12\x19\n\x11\x64\x65livery_rate_bps\x18\n \x01(\x01\x32\x92\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x1b.prfaas.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats2\x8e\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x1a.prfaas.v1.PrefillResponse\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._loaded_options = None
   _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=196
-  _globals['_GENERATEREQUEST']._serialized_start=199
-  _globals['_GENERATEREQUEST']._serialized_end=347
-  _globals['_KVSOURCE']._serialized_start=349
-  _globals['_KVSOURCE']._serialized_end=380
-  _globals['_GENERATERESPONSE']._serialized_start=383
-  _globals['_GENERATERESPONSE']._serialized_end=511
-  _globals['_PREFILLREQUEST']._serialized_start=514
-  _globals['_PREFILLREQUEST']._serialized_end=643
-  _globals['_PREFILLRESPONSE']._serialized_start=645
-  _globals['_PREFILLRESPONSE']._serialized_end=741
-  _globals['_STATSREQUEST']._serialized_start=743
-  _globals['_STATSREQUEST']._serialized_end=757
-  _globals['_WORKERSTATS']._serialized_start=760
-  _globals['_WORKERSTATS']._serialized_end=1489
-  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_start=1438
-  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_end=1489
-  _globals['_KVLINKSTATS']._serialized_start=1492
-  _globals['_KVLINKSTATS']._serialized_end=1718
-  _globals['_DECODEWORKER']._serialized_start=1721
-  _globals['_DECODEWORKER']._serialized_end=1867
-  _globals['_PREFILLWORKER']._serialized_start=1870
-  _globals['_PREFILLWORKER']._serialized_end=2012
+  _globals['_SAMPLINGPARAMS']._serialized_end=218
+  _globals['_GENERATEREQUEST']._serialized_start=221
+  _globals['_GENERATEREQUEST']._serialized_end=369
+  _globals['_KVSOURCE']._serialized_start=371
+  _globals['_KVSOURCE']._serialized_end=402
+  _globals['_GENERATERESPONSE']._serialized_start=405
+  _globals['_GENERATERESPONSE']._serialized_end=579
+  _globals['_TOPLOGPROBS']._serialized_start=581
+  _globals['_TOPLOGPROBS']._serialized_end=631
+  _globals['_PREFILLREQUEST']._serialized_start=634
+  _globals['_PREFILLREQUEST']._serialized_end=763
+  _globals['_PREFILLRESPONSE']._serialized_start=765
+  _globals['_PREFILLRESPONSE']._serialized_end=861
+  _globals['_STATSREQUEST']._serialized_start=863
+  _globals['_STATSREQUEST']._serialized_end=877
+  _globals['_WORKERSTATS']._serialized_start=880
+  _globals['_WORKERSTATS']._serialized_end=1609
+  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_start=1558
+  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_end=1609
+  _globals['_KVLINKSTATS']._serialized_start=1612
+  _globals['_KVLINKSTATS']._serialized_end=1838
+  _globals['_DECODEWORKER']._serialized_start=1841
+  _globals['_DECODEWORKER']._serialized_end=1987
+  _globals['_PREFILLWORKER']._serialized_start=1990
+  _globals['_PREFILLWORKER']._serialized_end=2132
 # @@protoc_insertion_point(module_scope)

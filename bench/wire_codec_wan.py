@@ -1,0 +1,132 @@
+"""KV tokens per second over a capped WAN-like link with the fp8 and int8 wire codecs against without.
+
+The path is bench/transport_wan.py's: a network namespace behind a 20 ms round trip (a delay line
+between two TUN devices), capped at 1 Gbit/s with ``tbf``, 1% random loss (tests/support/wan.py via
+bench/_common.py). The KV is a bfloat16 cache shaped like SmolLM2-135M's (30 attention layers, 3 KV
+heads of 64, blocks of 128 tokens, vLLM's CPU layout: 23,040 bytes per token), random normal values.
+Each transfer streams ``--tokens`` tokens of it layer by layer over 8 connections, as a PrfaaS prefill
+worker does: with ``transport.codec: none`` raw, with ``fp8`` or ``int8`` coded on the sender's I/O
+thread (the connector's encoder, one scale per row of 128 values). The receiver, in the namespace, decodes
+every coded frame back into bfloat16 (the decode worker's work) before it reports the transfer done.
+KV tokens per second = tokens / (first send to the receiver's end of transfer), median of the rounds.
+Target: each codec carries at least 1.9x the tokens per second of none. Needs root and gcc.
+
+    python bench/wire_codec_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--tokens 8192] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import _common  # noqa: F401  (puts the project on sys.path)
+from _common import ROOT, median, verdict, wait_transfer, wan_link
+
+from services.kv_transport import KVTransport, TransportSettings
+
+SECRET = "bench-secret"
+PORT = 47112
+NUM_LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 30, 3, 64, 128  # SmolLM2-135M
+BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2  # one layer's block: heads x tokens x (K|V) x bfloat16
+CODING = ("bfloat16", max(BLOCK, HEAD_SIZE))  # a row of values per scale, as kv_connector/codecs.coding_of
+CODECS = ("fp8", "int8")
+TARGET = 1.9
+
+RECEIVER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+from services.kv_connector.codecs import decode
+from services.kv_transport import Frame, KVTransport, TransportSettings
+rx = KVTransport(TransportSettings(secret={secret!r}, codec={codec!r}), listen_host={host!r}, listen_port={port})
+print("ready", rx.port, flush=True)
+while True:
+    for event in rx.poll(1.0):
+        if isinstance(event, Frame):
+            decode(event.codec, event.payload, event.row_elems, torch.bfloat16)
+        else:
+            print(type(event).__name__, event.transfer_id, time.time(), flush=True)
+"""
+
+
+def start_receiver(codec: str, host: str, netns: str) -> subprocess.Popen:
+    code = RECEIVER.format(root=str(ROOT), secret=SECRET, codec=codec, host=host, port=PORT)
+    process = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               text=True)
+    if not process.stdout.readline().startswith("ready"):
+        raise RuntimeError(f"the {codec} receiver did not start")
+    return process
+
+
+def layer_payload(num_blocks: int) -> memoryview:
+    import torch
+
+    generator = torch.Generator().manual_seed(35)
+    values = torch.randn(num_blocks * BLOCK_BYTES // 2, generator=generator).to(torch.bfloat16)
+    return memoryview(values.view(torch.uint8).numpy()).cast("B")
+
+
+def stream(receiver, tx: KVTransport, peer: str, payload: memoryview, num_blocks: int, transfer_id: str) -> float:
+    """Seconds from the first send to the receiver's end of the transfer."""
+    start = time.time()
+    for layer in range(NUM_LAYERS):
+        tx.send(peer, transfer_id, layer, 0, 0, num_blocks, payload, coding=CODING)
+    tx.finish(peer, transfer_id)
+    return wait_transfer(receiver, transfer_id) - start
+
+
+def measure(codec: str, link, tokens: int, rounds: int) -> tuple[float, int]:
+    """Median KV tokens per second over ``rounds`` transfers (after one that opens the connections),
+    and the bytes one transfer put on the wire."""
+    from services.kv_connector.codecs import encode
+
+    num_blocks = tokens // BLOCK
+    payload = layer_payload(num_blocks)
+    receiver = start_receiver(codec, link.ns_addr, link.ns)
+    tx = KVTransport(TransportSettings(secret=SECRET, codec=codec), encoder=encode)
+    peer = f"{link.ns_addr}:{PORT}"
+    try:
+        stream(receiver, tx, peer, payload, num_blocks, f"{codec}-warm")
+        sent = tx.snapshot().peers[0].bytes_sent
+        seconds = [stream(receiver, tx, peer, payload, num_blocks, f"{codec}-{r}") for r in range(rounds)]
+        per_transfer = (tx.snapshot().peers[0].bytes_sent - sent) // rounds
+    finally:
+        tx.close()
+        receiver.kill()
+        receiver.wait()
+    for number, s in enumerate(seconds):
+        print(f"  {codec}, round {number + 1}: {tokens / s:,.0f} KV tokens/s ({per_transfer * 8 / s / 1e9:.3f} "
+              f"Gbit/s on the wire)", file=sys.stderr)
+    return tokens / median(seconds), per_transfer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate-mbit", type=int, default=1000, help="link cap in Mbit/s (default 1000)")
+    parser.add_argument("--loss", type=float, default=1, help="random packet loss in percent (default 1)")
+    parser.add_argument("--rtt-ms", type=float, default=20, help="round trip added by the link in ms; 0: a plain "
+                        "veth pair (default 20)")
+    parser.add_argument("--tokens", type=int, default=8192, help="KV tokens per transfer, a multiple of 128 "
+                        "(default 8192: 189 MB of bfloat16 KV)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured transfers per codec (default 3)")
+    parser.add_argument("--buffer-ms", type=int, default=20, help="bottleneck queue in ms at the cap (default 20)")
+    args = parser.parse_args()
+    if args.tokens < BLOCK or args.tokens % BLOCK or args.rounds < 1 or args.rate_mbit <= 0:
+        parser.error(f"--tokens must be a positive multiple of {BLOCK}, --rounds and --rate-mbit positive")
+    with wan_link(args.rate_mbit, args.loss, args.buffer_ms, args.rtt_ms) as link:
+        print(f"link: {args.rate_mbit} Mbit/s cap, {args.rtt_ms:g} ms added round trip, {args.loss:g}% random loss; "
+              f"{args.tokens} tokens of bfloat16 KV per transfer", file=sys.stderr)
+        results = {codec: measure(codec, link, args.tokens, args.rounds) for codec in ("none", *CODECS)}
+    raw, raw_bytes = results["none"]
+    ratios = {codec: results[codec][0] / raw for codec in CODECS}
+    detail = "; ".join(f"{codec} {results[codec][0]:,.0f} KV tokens/s ({ratios[codec]:.3f}x), wire bytes per "
+                       f"transfer {results[codec][1] / raw_bytes:.3f} of none's" for codec in CODECS)
+    detail += (f"; none {raw:,.0f} KV tokens/s; {args.rate_mbit} Mbit/s, {args.rtt_ms:g} ms RTT, {args.loss:g}% "
+               "loss, bfloat16 cache")
+    return verdict(f"wire codec WAN KV tokens/s, the lower of {' and '.join(CODECS)} vs none", min(ratios.values()),
+                   TARGET, detail)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # Each a few minutes at most on a 2-core host, in this order (the quick ones first).
 QUICK = ("simulator_speed", "cache_lookup", "cache_bandwidth", "transport_loopback", "hetero_layouts",
-         "transport_wan", "layerwise_overlap", "router_overhead", "cache_load_ttft")
-# Run by name only: cancellation (~7 min), chaos (~10), sim_vs_real (17-30), gpu_kv_path (a CUDA host).
-LONG = ("cancellation", "chaos", "sim_vs_real", "gpu_kv_path")
+         "transport_wan", "wire_codec_wan", "layerwise_overlap", "router_overhead", "cache_load_ttft")
+# Run by name only: cancellation (~7 min), chaos (~10), sim_vs_real (17-30), wire_codec_quality (~20),
+# gpu_kv_path (a CUDA host).
+LONG = ("cancellation", "chaos", "sim_vs_real", "wire_codec_quality", "gpu_kv_path")
 
 
 def run_one(name: str, logs: Path, timeout_s: float) -> Result:

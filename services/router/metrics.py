@@ -99,7 +99,11 @@ class RouterMetrics:
                              "Long-timescale re-optimisations of the threshold's base and ceiling.")
     kv_bytes_per_token = Metric(Gauge, "prfaas_scheduler_kv_bytes_per_token",
                                 "KV bytes per offloaded prompt token, measured from the PrfaaS prefill workers' sent "
-                                "bytes (at the last re-optimisation).")
+                                "bytes (at the last re-optimisation): with a wire codec, the coded bytes.")
+    link_kv_tokens_per_second = Metric(Gauge, "prfaas_scheduler_link_kv_tokens_per_second",
+                                       "Prompt tokens of KV per second the PrfaaS link carries at "
+                                       "scheduler.link_capacity_gbps, at the measured KV bytes per token (a wire "
+                                       "codec raises it; at the last re-optimisation).")
     threshold_changes = Metric(Counter, "prfaas_scheduler_threshold_changes_total",
                                "Threshold controller state or level changes.")
     decisions = Metric(Counter, "prfaas_scheduler_decisions_total",

@@ -75,6 +75,8 @@ class ThresholdReoptimizer:
         threshold = controller.reoptimize(controller.config.link_capacity_gbps, rate)
         self._metrics.reoptimizations.inc()
         self._metrics.kv_bytes_per_token.set(self.profiles.kv_bytes_per_token)
+        self._metrics.link_kv_tokens_per_second.set(
+            controller.config.link_capacity_gbps * 1e9 / 8 / self.profiles.kv_bytes_per_token)
         lengths = self.profiles.lengths(now_s)
         logger.info("offload threshold re-optimised: base %.0f -> %.0f, ceiling %.0f -> %.0f tokens, threshold "
                     "now %s (link %g Gbit/s, %.3g requests/s, %d prompts of mean %.0f tokens, %.0f KV bytes/token, "

@@ -98,6 +98,9 @@ def test_reoptimises_on_schedule_from_the_measured_profiles(caplog):
     assert value(rig.metrics.threshold_base) == controller.base_tokens
     assert value(rig.metrics.threshold_ceiling) == controller.ceiling_tokens
     assert value(rig.metrics.kv_bytes_per_token) == pytest.approx(KV_BYTES_PER_TOKEN)
+    # the link in prompt tokens of KV per second: a codec's fewer bytes per token raise it
+    assert value(rig.metrics.link_kv_tokens_per_second) == pytest.approx(
+        rig.config.scheduler.link_capacity_gbps * 1e9 / 8 / KV_BYTES_PER_TOKEN)
     rig.poll_at(90.0)
     assert value(rig.metrics.reoptimizations) == 1
     rig.poll_at(125.0)  # due again, but the window holds no request since 65 s: skipped

@@ -26,12 +26,17 @@ Figures, each variant against ``none`` on the same prompt:
 - first divergence: the index (0-31) of the first token that differs, 32 when none does; the mean
   over all prompts;
 - KL: KL(P_none || P_variant) of the next-token distribution, at each position up to and including
-  the first divergence (after it the two runs continue from different tokens, so their distributions
-  no longer measure the codec). Each distribution is known only on its top 20 tokens: the KL is taken
-  over ``none``'s top 20 plus one bucket for the rest of the vocabulary; a token of that top 20 that
-  is not in the variant's own top 20 gets the variant's 20th probability (an upper bound), the
-  variant's tail bucket what is left of 1. Merging the tail can only lower a KL, so this reads low
-  by the tail's share of it. Mean and p95 are over all compared positions of all prompts.
+  the first divergence of any variant on that prompt (after it the runs continue from different
+  tokens, so their distributions no longer measure the codec; the same positions for every variant,
+  so one that diverges later is not judged on more, later positions). Each distribution is known
+  only on its top 20 tokens: the KL is taken over ``none``'s top 20 plus one bucket for the rest of
+  the vocabulary; a token of that top 20 that is not in the variant's own top 20 gets the variant's
+  20th probability (an upper bound), the variant's tail bucket what is left of 1. Merging the tail
+  can only lower a KL, so this reads low by the tail's share of it. Mean and p95 are over all
+  compared positions of all prompts.
+
+A control row compares the int8 deployment's ``none`` with the fp8 deployment's: two raw runs in
+separate processes, which should agree on every token (the figures above are then the codecs' alone).
 
 Targets, per codec: its mean KL at most the anchor's on both models, and >= 90% of SmolLM2's prompts
 identical. The last line gives them for the better codec; exit status 0 only when that one meets both.
@@ -154,17 +159,18 @@ def first_divergence(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
 
-def figures(references: list[Reply], others: list[Reply]) -> Figures:
+def figures(references: list[Reply], others: list[Reply], limits: list[int]) -> Figures:
+    """``others`` against ``references``; the KL at each prompt's positions ``0 .. limits[k]``."""
     divergences = [first_divergence(r.token_ids, o.token_ids) for r, o in zip(references, others)]
-    kls = sorted(kl_on_top(r.tops[i], o.tops[i]) for r, o, d in zip(references, others, divergences)
-                 for i in range(min(d + 1, OUTPUT_TOKENS)))
+    kls = sorted(kl_on_top(r.tops[i], o.tops[i]) for r, o, limit in zip(references, others, limits)
+                 for i in range(min(limit + 1, OUTPUT_TOKENS)))
     return Figures(identical=sum(d == OUTPUT_TOKENS for d in divergences) / len(divergences),
                    kl_mean=sum(kls) / len(kls), kl_p95=kls[min(len(kls) - 1, int(0.95 * len(kls)))],
                    first_divergence=sum(divergences) / len(divergences), positions=len(kls))
 
 
-def measure(model: str, directory: Path, codec: str) -> dict[str, Figures]:
-    """The variants of one deployment (``DEPLOYMENTS[codec]``), each against that deployment's ``none``."""
+def measure(model: str, directory: Path, codec: str) -> dict[str, list[Reply]]:
+    """Every variant's replies in one deployment (``DEPLOYMENTS[codec]``), ``none`` included."""
     variants = DEPLOYMENTS[codec]
     prompts = _prompts(model)
     started = time.monotonic()
@@ -179,8 +185,21 @@ def measure(model: str, directory: Path, codec: str) -> dict[str, Figures]:
               f"{time.monotonic() - started:.0f} s", flush=True)
     finally:
         deployment.stop()
-    by_variant = {v: replies[i::len(variants)] for i, v in enumerate(variants)}
-    return {v: figures(by_variant["none"], by_variant[v]) for v in variants if v != "none"}
+    return {v: replies[i::len(variants)] for i, v in enumerate(variants)}
+
+
+def compare(runs: dict[str, dict[str, list[Reply]]]) -> dict[str, Figures]:
+    """Each coded variant against its own deployment's ``none``, and the second deployment's ``none``
+    against the first's (the control: how often two raw runs differ). The KL of every variant is
+    taken at the same positions of each prompt, up to and including the first divergence of any
+    variant (a variant that diverges later would otherwise be judged on more, later positions)."""
+    pairs = {variant: (runs[codec]["none"], replies) for codec, by_variant in runs.items()
+             for variant, replies in by_variant.items() if variant != "none"}
+    first, *rest = runs
+    pairs.update({f"none ({codec} run) vs none": (runs[first]["none"], runs[codec]["none"]) for codec in rest})
+    limits = [min(first_divergence(ref[k].token_ids, other[k].token_ids) for ref, other in pairs.values())
+              for k in range(len(runs[first]["none"]))]
+    return {name: figures(ref, other, limits) for name, (ref, other) in pairs.items()}
 
 
 def table(results: dict[str, dict[str, Figures]]) -> str:
@@ -197,9 +216,7 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="prfaas-codec-quality-") as directory:
         for model in MODELS:
-            results[model] = {}
-            for codec in DEPLOYMENTS:
-                results[model].update(measure(model, Path(directory) / model, codec))
+            results[model] = compare({codec: measure(model, Path(directory) / model, codec) for codec in DEPLOYMENTS})
     print(table(results))
     passed = {codec: all(r[codec].kl_mean <= r["anchor"].kl_mean for r in results.values())
               and results[MODELS[0]][codec].identical >= TARGET_IDENTICAL for codec in DEPLOYMENTS}

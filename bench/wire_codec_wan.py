@@ -76,6 +76,30 @@ def stream(receiver, tx: KVTransport, peer: str, payload: memoryview, num_blocks
     return wait_transfer(receiver, transfer_id) - start
 
 
+def codec_speed(codec: str, megabytes: int = 48, rounds: int = 5) -> tuple[float, float]:
+    """Encode and decode GB/s of bfloat16 KV on one core (one torch thread), medians of ``rounds``."""
+    import torch
+
+    from services.kv_connector.codecs import decode, encode
+    from services.kv_transport.codecs import CODECS
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        payload = layer_payload(megabytes * 2**20 // BLOCK_BYTES)
+        encode_s, decode_s = [], []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            coded = encode(CODECS[codec], payload, *CODING)
+            encode_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            decode(CODECS[codec], coded, CODING[1], torch.bfloat16)
+            decode_s.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return len(payload) / median(encode_s) / 1e9, len(payload) / median(decode_s) / 1e9
+
+
 def measure(codec: str, link, tokens: int, rounds: int) -> tuple[float, int]:
     """Median KV tokens per second over ``rounds`` transfers (after one that opens the connections),
     and the bytes one transfer put on the wire."""
@@ -114,6 +138,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.tokens < BLOCK or args.tokens % BLOCK or args.rounds < 1 or args.rate_mbit <= 0:
         parser.error(f"--tokens must be a positive multiple of {BLOCK}, --rounds and --rate-mbit positive")
+    for codec in CODECS:
+        encode_gbs, decode_gbs = codec_speed(codec)
+        print(f"{codec} on one core: encode {encode_gbs:.2f} GB/s, decode {decode_gbs:.2f} GB/s of bfloat16 KV "
+              f"({encode_gbs * 8:.1f} / {decode_gbs * 8:.1f} Gbit/s)", file=sys.stderr)
     with wan_link(args.rate_mbit, args.loss, args.buffer_ms, args.rtt_ms) as link:
         print(f"link: {args.rate_mbit} Mbit/s cap, {args.rtt_ms:g} ms added round trip, {args.loss:g}% random loss; "
               f"{args.tokens} tokens of bfloat16 KV per transfer", file=sys.stderr)

@@ -58,7 +58,7 @@ def encode(codec: int, payload: memoryview, dtype: str, row_elems: int, per_tens
     inverse = torch.where(torch.isfinite(inverse), inverse, torch.zeros_like(inverse))
     values = out[num_rows * SCALE_BYTES:]
     if codec == INT8:  # rounded in float32: bfloat16 cannot hold every step of 127
-        scaled = torch.mul(rows.float(), inverse[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+        scaled = rows.to(torch.float32, copy=True).mul_(inverse[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
         values.view(torch.int8).view(num_rows, row_elems).copy_(scaled)
         return out.numpy().data
     work = rows if rows.dtype != torch.float16 else rows.float()  # 1/scale overflows float16

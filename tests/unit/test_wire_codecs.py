@@ -182,3 +182,13 @@ def test_tables_of_the_decoder_match_torchs_float8():
         want = codes.view(torch.float8_e4m3fn).to(dtype)
         assert torch.equal(got[finite], want[finite])
     assert numpy.isnan(codes.view(torch.float8_e4m3fn).float().numpy()[~finite.numpy()]).all()
+
+
+@pytest.mark.parametrize("codec", [codecs.FP8, codecs.INT8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoding_leaves_the_payload_as_it_was(codec, dtype):
+    """The payload is the engine's ring slot or cache copy: coding must not write into it."""
+    cache = torch.randn(2, 2, 16, 32).to(dtype)
+    before = cache.clone()
+    encode(codec, memoryview(cache.view(-1).view(torch.uint8).numpy()), *coding_of(cache))
+    assert torch.equal(cache, before)

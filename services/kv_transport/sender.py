@@ -66,6 +66,7 @@ class _Outgoing:
     num_blocks: int = 0
     on_sent: "_Countdown | None" = None
     coding: Coding | None = None  # None: never coded (state pages, layouts, cache-pool blocks)
+    coded: "tuple[int, Bytes] | None" = None  # (codec, payload) coded ahead, on the sending thread
 
 
 class _Countdown:
@@ -107,6 +108,7 @@ class PeerLink:
         self._transfers: dict[str, _Transfer] = {}
         self._closed = False
         self._unreachable_until = 0.0
+        self._agreed: int | None = None  # the codec the last handshake agreed on (None: none yet)
         self._wakeup = WakePipe()
         self._want_wake = False
         self._thread = threading.Thread(target=self._io_loop, daemon=True, name="prfaas-kv-send")
@@ -126,7 +128,8 @@ class PeerLink:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure).
         The payload is read until ``on_sent`` is called (from any thread): once it was written to
         the sockets, or dropped with its transfer. With ``coding``, each frame is coded with the
-        codec its connection agreed on as it goes out."""
+        codec its connection agreed on: here, on the calling thread, once a handshake has agreed on
+        one (so the I/O thread only writes), else as it goes out."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
         target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
@@ -136,7 +139,8 @@ class PeerLink:
         for first in starts:
             count = min(blocks_per_frame, num_blocks - first) if num_blocks else 0
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
-            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown, coding)
+            self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown, coding,
+                          self._code_ahead(chunk, coding))
 
     def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
@@ -162,9 +166,20 @@ class PeerLink:
 
     # Internals -----------------------------------------------------------------------------------
 
+    def _code_ahead(self, payload: memoryview, coding: Coding | None) -> "tuple[int, Bytes] | None":
+        """The frame coded with the codec the link's handshakes agree on, or None (not known yet, raw,
+        or coding failed: the I/O thread then decides as the frame goes out)."""
+        codec = self._agreed
+        if coding is None or codec in (None, NONE) or self._encoder is None:
+            return None
+        try:
+            return codec, self._encoder(codec, payload, *coding)
+        except Exception:  # noqa: BLE001 - the I/O thread tries again, and sends raw if it fails too
+            return None
+
     def _enqueue(self, transfer_id: str, kind: int, payload: memoryview, layer: int = 0, group: int = 0,
                  block_start: int = 0, num_blocks: int = 0, on_sent: _Countdown | None = None,
-                 coding: Coding | None = None) -> None:
+                 coding: Coding | None = None, coded: "tuple[int, Bytes] | None" = None) -> None:
         with self._cond:
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             if transfer.failed:
@@ -184,7 +199,7 @@ class PeerLink:
             return
         with self._cond:
             self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks,
-                                         on_sent, coding))
+                                         on_sent, coding, coded))
             self._cond.notify()
         if self._want_wake:
             self._wake()
@@ -303,6 +318,8 @@ class PeerLink:
         if item.coding is None or codec == NONE or self._encoder is None:
             return NONE, item.payload, 0
         dtype, row_elems = item.coding
+        if item.coded is not None and item.coded[0] == codec:  # coded ahead for this codec
+            return codec, item.coded[1], row_elems
         try:
             return codec, self._encoder(codec, item.payload, dtype, row_elems), row_elems
         except Exception:  # noqa: BLE001 - a codec bug must cost bytes on the wire, not the transfer
@@ -375,6 +392,7 @@ class PeerLink:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
             codec = client_handshake(sock, self._settings.secret_bytes, self._settings.codec_offer)
             sock.setblocking(False)
+            self._agreed = codec  # later frames are coded ahead for it (``_code_ahead``)
             return sock, codec
         except (OSError, HandshakeRefused) as exc:
             if sock is not None:

@@ -192,3 +192,33 @@ def test_encoding_leaves_the_payload_as_it_was(codec, dtype):
     before = cache.clone()
     encode(codec, memoryview(cache.view(-1).view(torch.uint8).numpy()), *coding_of(cache))
     assert torch.equal(cache, before)
+
+
+def test_once_a_handshake_agreed_frames_are_coded_on_the_sending_thread():
+    """The I/O thread only writes: coding a frame there would hold every connection's writes. The
+    first frames (no handshake yet) are coded as they go out, later ones by whoever sends them."""
+    import threading
+
+    threads: list[str] = []
+
+    def recording(codec, payload, dtype, row_elems):
+        threads.append(threading.current_thread().name)
+        return encode(codec, payload, dtype, row_elems)
+
+    rx = KVTransport(TransportSettings(secret=SECRET, codec="int8"), listen_port=0)
+    tx = KVTransport(TransportSettings(secret=SECRET, codec="int8"), encoder=recording)
+    try:
+        cache = torch.randn(2, 2, 16, 16).to(torch.bfloat16)
+        payload = memoryview(cache.view(-1).view(torch.uint8).numpy())
+        for transfer in ("first", "second"):
+            tx.send(f"127.0.0.1:{rx.port}", transfer, 1, 0, 0, 2, payload, coding=coding_of(cache))
+            tx.finish(f"127.0.0.1:{rx.port}", transfer)
+            frames, end = collect(rx, transfer)
+            assert isinstance(end, TransferDone) and [f.codec for f in frames] == [codecs.INT8]
+            back = decode(frames[0].codec, frames[0].payload, frames[0].row_elems, torch.bfloat16)
+            restored = torch.frombuffer(back, dtype=torch.uint8).view(torch.bfloat16).view(cache.shape)
+            assert (restored.float() - cache.float()).abs().max() <= BOUNDS[codecs.INT8] * cache.float().abs().max()
+    finally:
+        tx.close()
+        rx.close()
+    assert threads == ["prfaas-kv-send", threading.current_thread().name]

@@ -49,13 +49,15 @@ class Iperf3Result:
 
 def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
                seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
-               client_cpu: int | None = None) -> Iperf3Result:
+               client_cpu: int | None = None, omit_s: float = 0) -> Iperf3Result:
     """One iperf3 run with ``streams`` parallel TCP streams (a run that iperf3 itself reports as
-    failed is repeated with a fresh server)."""
+    failed is repeated with a fresh server); ``omit_s`` seconds of slow start before ``seconds``
+    count toward nothing."""
     require("iperf3", "iperf3")
     wrap = ["ip", "netns", "exec", netns] if netns else []
     wrap += pinned(server_cpu)
     amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
+    amount += ["-O", str(omit_s)] if omit_s else []
     error = ""
     for _ in range(attempts):
         port = free_port()

@@ -126,6 +126,18 @@ def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connecti
     return process, int(bound)
 
 
+def send_transfer(receiver: subprocess.Popen, tx, peer: str, transfer_id: str, num_layers: int,
+                  layer_bytes: int) -> float:
+    """Seconds from the first send of ``num_layers`` layers of ``layer_bytes`` (zeros, 64 blocks each)
+    through ``tx`` (a ``KVTransport``) until ``receiver`` completed the transfer."""
+    payload = memoryview(bytes(layer_bytes))
+    start = time.time()
+    for layer in range(num_layers):
+        tx.send(peer, transfer_id, layer, 0, 0, 64, payload)
+    tx.finish(peer, transfer_id)
+    return wait_transfer(receiver, transfer_id) - start
+
+
 def wait_transfer(receiver: subprocess.Popen, transfer_id: str) -> float:
     """When ``transfer_id`` completed at the receiver; raises if it failed."""
     while True:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the project on sys.path)
-from _common import iperf3_run, median, require, start_receiver, verdict, wait_transfer, wan_link
+from _common import iperf3_run, median, require, send_transfer, start_receiver, verdict, wan_link
 
 from services.kv_transport import KVTransport, TransportSettings
 
@@ -35,12 +34,7 @@ IPERF3_OMIT_S = 1
 
 def stream(receiver, tx: KVTransport, peer: str, layer_bytes: int, transfer_id: str) -> float:
     """Goodput of one transfer in Gbit/s, from its first send to the receiver's last frame."""
-    payload = memoryview(bytes(layer_bytes))
-    start = time.time()
-    for layer in range(NUM_LAYERS):
-        tx.send(peer, transfer_id, layer, 0, 0, 64, payload)
-    tx.finish(peer, transfer_id)
-    return NUM_LAYERS * layer_bytes * 8 / (wait_transfer(receiver, transfer_id) - start) / 1e9
+    return NUM_LAYERS * layer_bytes * 8 / send_transfer(receiver, tx, peer, transfer_id, NUM_LAYERS, layer_bytes) / 1e9
 
 
 def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, iperf3_s: int) -> tuple[float, float]:

@@ -54,13 +54,15 @@ class Iperf3Result:
 
 def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
                seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
-               client_cpu: int | None = None) -> Iperf3Result:
+               client_cpu: int | None = None, omit_s: float = 0) -> Iperf3Result:
     """One iperf3 run with ``streams`` parallel TCP streams (a run that iperf3 itself reports as
-    failed is repeated with a fresh server)."""
+    failed is repeated with a fresh server); ``omit_s`` seconds of slow start before ``seconds``
+    count toward nothing."""
     require("iperf3", "iperf3")
     wrap = ["ip", "netns", "exec", netns] if netns else []
     wrap += pinned(server_cpu)
     amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
+    amount += ["-O", str(omit_s)] if omit_s else []
     error = ""
     for _ in range(attempts):
         port = free_port()
@@ -131,6 +133,18 @@ def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connecti
     process = subprocess.Popen(wrap + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     ready, bound = process.stdout.readline().split()
     return process, int(bound)
+
+
+def send_transfer(receiver: subprocess.Popen, tx, peer: str, transfer_id: str, num_layers: int,
+                  layer_bytes: int) -> float:
+    """Seconds from the first send of ``num_layers`` layers of ``layer_bytes`` (zeros, 64 blocks each)
+    through ``tx`` (a ``KVTransport``) until ``receiver`` completed the transfer."""
+    payload = memoryview(bytes(layer_bytes))
+    start = time.time()
+    for layer in range(num_layers):
+        tx.send(peer, transfer_id, layer, 0, 0, 64, payload)
+    tx.finish(peer, transfer_id)
+    return wait_transfer(receiver, transfer_id) - start
 
 
 def wait_transfer(receiver: subprocess.Popen, transfer_id: str) -> float:

@@ -6,6 +6,11 @@
  * each keeps a FIFO of up to SLOTS packets (a full FIFO drops, like a full router queue). The
  * devices carry no offloads, so packets are MTU-sized and loss is per packet, as on a wire.
  *
+ * A thread takes in everything waiting on its source device before it writes what is due, and
+ * never sleeps longer than MAX_NAP_NS while packets are in flight: a packet's delay counts from
+ * when it was read, so one left in the device's ring arrives late, and one that finds the ring full
+ * is lost (the caller gives each device a ring far longer than the bottleneck queue as well).
+ *
  *     delayline TUN_A TUN_B ONE_WAY_DELAY_US LOSS_A_TO_B_PERCENT SEED
  *
  * prints "ready" once both devices exist (the caller then moves them into namespaces and
@@ -30,6 +35,8 @@
 
 #define SLOTS 16384
 #define SLOT_BYTES 2048
+#define BATCH 64               /* due packets written before looking for arrivals again */
+#define MAX_NAP_NS 100000ull   /* longest sleep with packets in flight: arrivals wait at most this long */
 
 struct direction {
     int src, dst;
@@ -39,6 +46,7 @@ struct direction {
     uint64_t due[SLOTS];
     int len[SLOTS];
     unsigned char *data;
+    unsigned char scratch[SLOT_BYTES];
 };
 
 static int open_tun(const char *name) {
@@ -47,7 +55,7 @@ static int open_tun(const char *name) {
     memset(&ifr, 0, sizeof ifr);
     ifr.ifr_flags = IFF_TUN | IFF_NO_PI;
     strncpy(ifr.ifr_name, name, IFNAMSIZ - 1);
-    if (fd < 0 || ioctl(fd, TUNSETIFF, &ifr) < 0) {
+    if (fd < 0 || ioctl(fd, TUNSETIFF, &ifr) < 0 || fcntl(fd, F_SETFL, O_NONBLOCK) < 0) {
         perror(name);
         exit(1);
     }
@@ -60,43 +68,55 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Reads every packet waiting in the source device's ring (a full ring drops what the path was not
+ * asked to lose), stamping each with its due time. */
+static void take_arrivals(struct direction *d, unsigned head, unsigned *tail) {
+    for (;;) {
+        int full = *tail - head >= SLOTS;
+        unsigned char *slot = full ? d->scratch : d->data + (size_t)(*tail % SLOTS) * SLOT_BYTES;
+        ssize_t n = read(d->src, slot, SLOT_BYTES);
+        if (n <= 0)
+            return;
+        if (full || (d->loss > 0 && (double)rand_r(&d->seed) / RAND_MAX < d->loss))
+            continue;
+        d->due[*tail % SLOTS] = now_ns() + d->delay_ns;
+        d->len[*tail % SLOTS] = (int)n;
+        (*tail)++;
+    }
+}
+
+/* Writes up to BATCH packets that are due; returns whether more are due. */
+static int send_due(struct direction *d, unsigned *head, unsigned tail) {
+    uint64_t now = now_ns();
+    for (int sent = 0; *head != tail && d->due[*head % SLOTS] <= now; sent++, (*head)++) {
+        if (sent == BATCH)
+            return 1;
+        (void)!write(d->dst, d->data + (size_t)(*head % SLOTS) * SLOT_BYTES, (size_t)d->len[*head % SLOTS]);
+    }
+    return 0;
+}
+
+/* Sleeps until the oldest packet is due, MAX_NAP_NS at most, or with none in flight until one arrives. */
+static void wait_for_work(struct direction *d, unsigned head, unsigned tail) {
+    if (head == tail) {
+        struct pollfd p = {d->src, POLLIN, 0};
+        poll(&p, 1, -1);
+        return;
+    }
+    uint64_t now = now_ns(), due = d->due[head % SLOTS];
+    uint64_t nap = due <= now ? 0 : due - now < MAX_NAP_NS ? due - now : MAX_NAP_NS;
+    struct timespec ts = {0, (long)nap};
+    nanosleep(&ts, NULL);
+}
+
 static void *run(void *arg) {
     struct direction *d = arg;
     unsigned head = 0, tail = 0; /* packets [head, tail) wait for their due time */
+    prctl(PR_SET_TIMERSLACK, 1000UL);
     for (;;) {
-        int timeout_ms = -1;
-        if (head != tail) {
-            uint64_t now = now_ns(), due = d->due[head % SLOTS];
-            if (due <= now) {
-                (void)!write(d->dst, d->data + (size_t)(head % SLOTS) * SLOT_BYTES, (size_t)d->len[head % SLOTS]);
-                head++;
-                continue;
-            }
-            uint64_t wait = due - now;
-            if (wait < 1000000) { /* under 1 ms: take what has arrived, else sleep precisely */
-                struct pollfd p = {d->src, POLLIN, 0};
-                if (poll(&p, 1, 0) <= 0) {
-                    struct timespec ts = {0, (long)wait};
-                    nanosleep(&ts, NULL);
-                    continue;
-                }
-                timeout_ms = 0;
-            } else {
-                timeout_ms = (int)(wait / 1000000);
-            }
-        }
-        struct pollfd p = {d->src, POLLIN, 0};
-        if (poll(&p, 1, timeout_ms) <= 0)
-            continue;
-        unsigned char *slot = d->data + (size_t)(tail % SLOTS) * SLOT_BYTES;
-        ssize_t n = read(d->src, slot, SLOT_BYTES);
-        if (n <= 0 || tail - head >= SLOTS)
-            continue;
-        if (d->loss > 0 && (double)rand_r(&d->seed) / RAND_MAX < d->loss)
-            continue;
-        d->due[tail % SLOTS] = now_ns() + d->delay_ns;
-        d->len[tail % SLOTS] = (int)n;
-        tail++;
+        take_arrivals(d, head, &tail);
+        if (!send_due(d, &head, tail))
+            wait_for_work(d, head, tail);
     }
     return NULL;
 }

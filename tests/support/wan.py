@@ -20,6 +20,9 @@ from pathlib import Path
 from support.netns import VethLink, available, new_link, run_command
 
 SOURCE = Path(__file__).with_name("delayline.c")
+# Packets each TUN device holds for the delay line to read: at the default 500, a few milliseconds
+# without a read at 1 Gbit/s (the host's other work) drop packets that the path was not asked to lose.
+RING_PACKETS = 20000
 
 
 def delay_line_binary() -> Path:
@@ -54,9 +57,10 @@ def wan_path(rate_mbit: float, rtt_ms: float, loss_percent: float = 0.0, buffer_
         run_command("ip", "netns", "add", link.ns)
         run_command("ip", "link", "set", link.ns_if, "netns", link.ns)
         run_command("ip", "addr", "add", f"{link.host_addr}/32", "peer", link.ns_addr, "dev", link.host_if)
-        run_command("ip", "link", "set", link.host_if, "up")
+        run_command("ip", "link", "set", link.host_if, "txqueuelen", str(RING_PACKETS), "up")
         for argv in (["ip", "addr", "add", f"{link.ns_addr}/32", "peer", link.host_addr, "dev", link.ns_if],
-                     ["ip", "link", "set", link.ns_if, "up"], ["ip", "link", "set", "lo", "up"]):
+                     ["ip", "link", "set", link.ns_if, "txqueuelen", str(RING_PACKETS), "up"],
+                     ["ip", "link", "set", "lo", "up"]):
             run_command(*link.exec_argv(argv))
         link.set_rate(rate_mbit, "host", buffer_ms, action="add")
         yield link

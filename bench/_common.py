@@ -175,3 +175,11 @@ def wan_link(rate_mbit: int, loss_percent: float = 0, buffer_ms: int = 20, rtt_m
         if loss_percent:
             link.drop_percent(int(loss_percent))
         yield link
+
+
+def add_link_arguments(parser) -> None:
+    """The emulated WAN path's options (``wan_link``), shared by the benchmarks that use it."""
+    parser.add_argument("--rate-mbit", type=int, default=1000, help="link cap in Mbit/s (default 1000)")
+    parser.add_argument("--loss", type=float, default=1, help="random packet loss in percent (default 1)")
+    parser.add_argument("--rtt-ms", type=float, default=20, help="round trip added by the link in ms; 0: a plain "
+                        "veth pair, tens of microseconds (default 20)")

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the project on sys.path)
-from _common import iperf3_run, median, require, send_transfer, start_receiver, verdict, wan_link
+from _common import (add_link_arguments, iperf3_run, median, require, send_transfer, start_receiver, verdict,
+                     wan_link)
 
 from services.kv_transport import KVTransport, TransportSettings
 
@@ -66,10 +67,7 @@ def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, ipe
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate-mbit", type=int, default=1000, help="link cap in Mbit/s (default 1000)")
-    parser.add_argument("--loss", type=float, default=1, help="random packet loss in percent (default 1)")
-    parser.add_argument("--rtt-ms", type=float, default=20, help="round trip added by the link in ms; 0: a plain "
-                        "veth pair, tens of microseconds (default 20)")
+    add_link_arguments(parser)
     parser.add_argument("--megabytes", type=int, default=256, help="KV per transfer in MiB (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="measured runs of each per connection count, after "
                         "one to open the connections (default 5)")

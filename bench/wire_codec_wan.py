@@ -21,7 +21,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the project on sys.path)
-from _common import ROOT, median, verdict, wait_transfer, wan_link
+from _common import ROOT, add_link_arguments, median, verdict, wait_transfer, wan_link
 
 from services.kv_transport import KVTransport, TransportSettings
 
@@ -127,10 +127,7 @@ def measure(codec: str, link, tokens: int, rounds: int) -> tuple[float, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate-mbit", type=int, default=1000, help="link cap in Mbit/s (default 1000)")
-    parser.add_argument("--loss", type=float, default=1, help="random packet loss in percent (default 1)")
-    parser.add_argument("--rtt-ms", type=float, default=20, help="round trip added by the link in ms; 0: a plain "
-                        "veth pair (default 20)")
+    add_link_arguments(parser)
     parser.add_argument("--tokens", type=int, default=8192, help="KV tokens per transfer, a multiple of 128 "
                         "(default 8192: 189 MB of bfloat16 KV)")
     parser.add_argument("--rounds", type=int, default=3, help="measured transfers per codec (default 3)")

@@ -46,7 +46,9 @@ def test_fp8_kv_crosses_the_link_at_half_the_attention_bytes_and_requests_comple
     attention_raw = sum(-(-(n - 1) // BLOCK_SIZE) * ATTENTION_PAGE_BYTES for n in LENGTHS)
     states_at_most = STATE_PAGES * ATTENTION_PAGE_BYTES * len(LENGTHS)
     sent = sum(link.bytes_sent for link in cluster.worker_stats("prefill-0").kv_links)
-    assert attention_raw * 0.5 < sent < attention_raw * 0.55 + states_at_most, (sent, attention_raw)
+    # coded: a byte per value and a 4-byte scale per row of 128 (132/256 of bfloat16), plus frame
+    # headers and each transfer's LAYOUT frame; raw it would be the whole attention_raw on top of the states
+    assert attention_raw * 0.5 < sent < attention_raw * 0.6 + states_at_most, (sent, attention_raw)
     assert sent - 4096 * len(LENGTHS) < cluster.worker_stats("pd-d").kv_bytes_received < sent  # less the headers
 
     from services.models import tiny_hybrid

@@ -21,6 +21,7 @@ from services.security import GrpcSecurity
 from support.ports import free_port
 
 START_TIMEOUT_S = 300.0
+ROUTER_VIEW_TIMEOUT_S = 15.0  # for the router's own health polls to see the workers up
 _CREDENTIAL_VARIABLES = ("PRFAAS_GRPC_TOKEN", "PRFAAS_KV_SECRET", "PRFAAS_API_KEYS")  # `up` makes its own
 
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt)|Killed)\b")
@@ -186,12 +187,28 @@ class Deployment:
                 raise RuntimeError(f"a service exited during start-up:\n{self.logs()}")
             pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a, self.security)}
             if not pending and supervisor.router_healthy("127.0.0.1", self.config["router"]["port"]):
+                self._wait_router_sees_workers(parsed)
                 return
             time.sleep(1.0)
         self.stop()
         waiting = ", ".join(f"{name} at {host}:{port}" for name, (host, port) in pending.items()) or "the router"
         raise TimeoutError(f"deployment not healthy after {START_TIMEOUT_S:.0f} s: {waiting} not serving\n"
                            f"{self.logs()}")
+
+
+    def _wait_router_sees_workers(self, parsed, timeout_s: float = ROUTER_VIEW_TIMEOUT_S) -> None:
+        """The router marks a worker up on its own next health poll, a moment after the worker serves:
+        a request sent in between would be routed as if that worker were down. Waits (a bounded time)
+        until the router's `prfaas_router_worker_up` says every worker is up, where it can be read."""
+        def seen() -> bool:
+            try:
+                text = self.metrics_text()
+            except OSError:  # metrics behind an API key, or not served: nothing to wait for
+                return True
+            return all(re.search(rf'^prfaas_router_worker_up{{worker="{re.escape(w.name)}"}} 1(\.0)?$', text,
+                                 re.MULTILINE) for w in parsed.workers)
+
+        wait_until(seen, timeout_s)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.25) -> bool:

@@ -142,7 +142,7 @@ def send_transfer(receiver: subprocess.Popen, tx, peer: str, transfer_id: str, n
     payload = memoryview(bytes(layer_bytes))
     start = time.time()
     for layer in range(num_layers):
-        tx.send(peer, transfer_id, layer, 0, 0, 64, payload)
+        tx.send(peer, transfer_id, layer, 0, 0, 64, payload, divisible=True)
     tx.finish(peer, transfer_id)
     return wait_transfer(receiver, transfer_id) - start
 

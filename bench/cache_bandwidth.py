@@ -8,7 +8,8 @@ SmolLM2-135M's on our CPU workers: 128 tokens x 30 layers x K and V x 3 KV heads
 (bf16) = 2.8 MiB, 64 of them per round (an 8K-token prompt, 180 MiB); the arena's slots are one
 block each (the slot size is the first Put's block size). Each round stores blocks not stored
 before, from one pre-allocated, already-touched tensor, then loads them back into another. The
-baseline copies the same blocks between those two tensors with torch (``copy_``, block by block).
+baseline copies the same blocks between those two tensors with torch (``copy_``, block by block),
+the best of three copies each round.
 Medians over alternating rounds; the headline (last line) gives both ratios, and its figure is the
 lower one. Exit status 0 only when it meets the target. A copy into freshly mapped pages (what a
 store into new memory pays, and what the pool's former one-file-per-block design paid) is printed
@@ -42,6 +43,7 @@ BLOCK_BYTES = TOKENS_PER_BLOCK * NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * DTYP
 MODEL = "SmolLM2-135M-Instruct/bf16-block128"
 ARENA_GIB = 0.5  # room for two rounds of 64 blocks; older rounds are evicted
 TARGET_RATIO = 0.5
+BASELINE_TRIES = 3  # torch copies per round; the baseline is the fastest
 
 
 def start_pool(directory: Path) -> tuple[subprocess.Popen, str]:
@@ -67,11 +69,16 @@ def touched(num_blocks: int, fill: int | None = None) -> torch.Tensor:
     return tensor
 
 
-def torch_copy_gbps(source: torch.Tensor, target: torch.Tensor) -> float:
-    started = time.perf_counter()
-    for i in range(len(source)):
-        target[i].copy_(source[i])
-    return source.numel() / (time.perf_counter() - started) / 1e9
+def torch_copy_gbps(source: torch.Tensor, target: torch.Tensor, tries: int = BASELINE_TRIES) -> float:
+    """The best of ``tries`` copies of every block: the memory's limit, not a copy that another
+    process (or a descheduled copy thread) happened to slow down."""
+    best = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        for i in range(len(source)):
+            target[i].copy_(source[i])
+        best = min(best, time.perf_counter() - started)
+    return source.numel() / best / 1e9
 
 
 def fresh_copy_gbps(source: torch.Tensor) -> float:

@@ -47,7 +47,7 @@ def transport_round(receiver: subprocess.Popen, port: int, tx: KVTransport, roun
     receiver_cpu, sender = process_cpu_s(receiver.pid), os.times()
     start = time.time()
     for layer in range(NUM_LAYERS):
-        tx.send(f"127.0.0.1:{port}", transfer_id, layer, 0, 0, BLOCKS_PER_LAYER, payload)
+        tx.send(f"127.0.0.1:{port}", transfer_id, layer, 0, 0, BLOCKS_PER_LAYER, payload, divisible=True)
     tx.finish(f"127.0.0.1:{port}", transfer_id)
     elapsed = wait_transfer(receiver, transfer_id) - start
     sender_cpu = sum(os.times()[:2]) - sum(sender[:2])

@@ -217,8 +217,8 @@ class PrfaasConnectorWorker:
 
     def _end(self, send: SendSpec, destinations: list[tuple[str, str, Route]]) -> None:
         """After the transfer's last copy was handed on (the sender's thread, in order)."""
-        for peer, wire, frame, coding in self._deferred.pop(send.transfer_id, ()):
-            self.streams.send(peer, wire, *frame, coding=coding)
+        for peer, wire, frame, coding, divisible in self._deferred.pop(send.transfer_id, ()):
+            self.streams.send(peer, wire, *frame, coding=coding, divisible=divisible)
         for peer, wire, _ in destinations:
             self.streams.finish(peer, wire)
         logger.debug("request %s: all KV handed to the transport", send.transfer_id)
@@ -264,7 +264,8 @@ class PrfaasConnectorWorker:
             coding = self._coding(layer)
             if route.pieces is None:
                 self._saver.save(self.layout.caches[layer.name], layer.block_dim, ids,
-                                 self._deliverer(send, peer, wire, layer, first, coding))
+                                 self._deliverer(send, peer, wire, layer, first, coding,
+                                                 divisible=layer.block_dim == 0))
                 continue
             if not (pieces := route.pieces.get(layer.name)):
                 continue
@@ -284,16 +285,18 @@ class PrfaasConnectorWorker:
             return None
         return coding_of(self.layout.caches[layer.name])
 
-    def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int, coding=None):
-        """The saver's ``deliver`` for one layer's blocks from block ``first`` of the request on."""
+    def _deliverer(self, send: SendSpec, peer: str, wire: str, layer: LayerInfo, first: int, coding=None,
+                   divisible: bool = False):
+        """The saver's ``deliver`` for one layer's blocks from block ``first`` of the request on;
+        ``divisible``: its payloads are whole blocks one after another (the transport may cut them)."""
         def deliver(offset: int, count: int, payload: memoryview, release) -> None:
             if self._layerwise:
                 self.streams.send(peer, wire, layer.index, layer.group, first + offset, count, payload,
-                                  on_sent=release, coding=coding)
+                                  on_sent=release, coding=coding, divisible=divisible)
                 return
             frame = (layer.index, layer.group, first + offset, count, memoryview(bytes(payload)))
             release()  # held to the prefill's end: a copy, so the ring keeps moving
-            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame, coding))
+            self._deferred.setdefault(send.transfer_id, []).append((peer, wire, frame, coding, divisible))
         return deliver
 
     def _send_state_page(self, send: SendSpec, layer: LayerInfo) -> None:

@@ -67,6 +67,7 @@ class _Outgoing:
     on_sent: "_Countdown | None" = None
     coding: Coding | None = None  # None: never coded (state pages, layouts, cache-pool blocks)
     coded: "tuple[int, Bytes] | None" = None  # (codec, payload) coded ahead, on the sending thread
+    divisible: bool = False  # its blocks lie one after another: it may be cut between them (``_cut``)
 
 
 class _Countdown:
@@ -76,6 +77,11 @@ class _Countdown:
         self._left = count
         self._done = done
         self._lock = threading.Lock()
+
+    def add(self) -> None:
+        """One frame more: a frame was cut in two before it was sent."""
+        with self._lock:
+            self._left += 1
 
     def tick(self) -> None:
         with self._lock:
@@ -124,12 +130,15 @@ class PeerLink:
             return sum(1 for transfer in self._transfers.values() if not transfer.failed)
 
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None) -> None:
+             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None,
+             divisible: bool = False) -> None:
         """Queue one layer's blocks, split into frames of whole blocks; may block (backpressure).
         The payload is read until ``on_sent`` is called (from any thread): once it was written to
         the sockets, or dropped with its transfer. With ``coding``, each frame is coded with the
         codec its connection agreed on: here, on the calling thread, once a handshake has agreed on
-        one (so the I/O thread only writes), else as it goes out."""
+        one (so the I/O thread only writes), else as it goes out. ``divisible``: the payload is its
+        blocks one after another, so a frame may also be cut as it goes out (``_cut``); a payload laid
+        out otherwise (K of every block, then V; or pieces of heads) must fit one frame."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
         target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
@@ -140,7 +149,7 @@ class PeerLink:
             count = min(blocks_per_frame, num_blocks - first) if num_blocks else 0
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
             self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown, coding,
-                          self._code_ahead(chunk, coding))
+                          self._code_ahead(chunk, coding), divisible)
 
     def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
@@ -179,7 +188,8 @@ class PeerLink:
 
     def _enqueue(self, transfer_id: str, kind: int, payload: memoryview, layer: int = 0, group: int = 0,
                  block_start: int = 0, num_blocks: int = 0, on_sent: _Countdown | None = None,
-                 coding: Coding | None = None, coded: "tuple[int, Bytes] | None" = None) -> None:
+                 coding: Coding | None = None, coded: "tuple[int, Bytes] | None" = None,
+                 divisible: bool = False) -> None:
         with self._cond:
             transfer = self._transfers.setdefault(transfer_id, _Transfer())
             if transfer.failed:
@@ -199,7 +209,7 @@ class PeerLink:
             return
         with self._cond:
             self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks,
-                                         on_sent, coding, coded))
+                                         on_sent, coding, coded, divisible))
             self._cond.notify()
         if self._want_wake:
             self._wake()
@@ -304,6 +314,7 @@ class PeerLink:
                 poller.register(conn.sock, 0)
                 conn.used_by, conn.notsent_lowat = set(), self._settings.notsent_lowat_bytes
             conn.used_by.add(item.transfer_id)
+            item = self._cut(item, conn)
             codec, payload, row_elems = self._coded(item, conn.codec)
             header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
                                    item.num_blocks, item.seq, payload, codec, row_elems)
@@ -311,6 +322,41 @@ class PeerLink:
             conn.views = [memoryview(header)] + ([memoryview(payload).cast("B")] if len(payload) else [])
             return True
         return False
+
+    def _cut(self, item: _Outgoing, conn: "_Connection") -> _Outgoing:
+        """The part of a frame this connection takes now: about the bytes it may keep unsent (its
+        ``TCP_NOTSENT_LOWAT``, some milliseconds at its rate), in whole blocks; the rest goes back to
+        the front of the queue for whichever connection has room next. A connection whose socket is
+        full thus holds no more of a transfer than that, and the end of a transfer is not left on
+        the connections that happened to take its last large frames, at their share of the link,
+        while the others idle. On a fast link the allowance is above the frame size and nothing is
+        cut. A frame coded ahead, or whose payload is not its blocks one after another, goes whole.
+        The END frame counts the parts (all of them went before it)."""
+        if item.kind == END:
+            with self._cond:
+                if (transfer := self._transfers.get(item.transfer_id)) is not None:
+                    item.seq = transfer.num_frames
+            return item
+        if (not item.divisible or item.num_blocks < 2 or item.coded is not None
+                or self._settings.connections_per_peer < 2):
+            return item
+        block_bytes = max(len(item.payload) // item.num_blocks, 1)
+        parts = -(-item.num_blocks // max(-(-conn.notsent_lowat // block_bytes), 1))
+        take = -(-item.num_blocks // parts)
+        if parts < 2:
+            return item
+        with self._cond:
+            if (transfer := self._transfers.get(item.transfer_id)) is None:
+                return item
+            self._queue.appendleft(_Outgoing(
+                DATA, item.transfer_id, transfer.num_frames, item.payload[take * block_bytes:], item.layer,
+                item.group, item.block_start + take, item.num_blocks - take, item.on_sent, item.coding,
+                divisible=True))
+            transfer.num_frames += 1
+            if item.on_sent is not None:
+                item.on_sent.add()
+        return _Outgoing(DATA, item.transfer_id, item.seq, item.payload[:take * block_bytes], item.layer,
+                         item.group, item.block_start, take, item.on_sent, item.coding, divisible=True)
 
     def _coded(self, item: _Outgoing, codec: int) -> tuple[int, Bytes, int]:
         """(codec, payload, values per scale) of a frame on a connection that agreed on ``codec``;

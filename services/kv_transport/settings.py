@@ -25,7 +25,8 @@ class TransportSettings:
     connections_per_peer: int = _opt(8, "TCP connections per peer pair; frames are striped across them.")
     frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
                             "blocks up to this size (a single larger block is one frame), so connections share "
-                            "a transfer in small units and none holds its tail.")
+                            "a transfer in small units and none holds its tail; a connection whose unsent "
+                            "allowance (see `notsent_queue_ms`) is smaller takes such a frame in parts of it.")
     max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts; senders never pack frames "
                                 "beyond it (a single block larger than this cannot be sent).")
     notsent_lowat_bytes: int = _opt(1 << 20, "Most unsent bytes a connection may hold in its socket buffer "

@@ -47,12 +47,16 @@ class KVTransport:
         return self._receiver.port if self._receiver else None
 
     def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
-             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None) -> None:
+             payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None,
+             divisible: bool = False) -> None:
         """Queue blocks ``[block_start, block_start + num_blocks)`` of one layer for ``peer``. The
         payload is not copied: it must stay unchanged until ``on_sent`` is called (from the sending
         thread, once it is in the sockets or dropped with a failed transfer). ``coding``: attention
-        KV that the codec agreed with the peer may code (``sender.Coding``); None: sent raw."""
-        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent, coding)
+        KV that the codec agreed with the peer may code (``sender.Coding``); None: sent raw.
+        ``divisible``: the payload is its blocks one after another, and its frames may be cut into
+        smaller runs of blocks as they go out (a slow connection then holds less of the transfer)."""
+        self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent, coding,
+                              divisible)
 
     def send_layout(self, peer: str, transfer_id: str, layout: bytes) -> None:
         """Queue the producer's KV layout (a LAYOUT frame), which the consumer checks before writing blocks."""

@@ -30,7 +30,7 @@ class _Wire:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
-             coding=None) -> None:
+             coding=None, divisible=False) -> None:
         self.threads.add(threading.current_thread().name)
         self.frames.append(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload))))
         if on_sent is not None:

@@ -40,7 +40,14 @@ class _Wire:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
-             coding=None) -> None:
+             coding=None, divisible=False) -> None:
+        if divisible and num_blocks > 1:  # cut between blocks, as the transport may cut such a payload
+            half, view = num_blocks // 2, memoryview(payload).cast("B")
+            step = len(view) // num_blocks
+            self.send(peer, transfer_id, layer, group, block_start, half, view[:half * step], None, coding)
+            self.send(peer, transfer_id, layer, group, block_start + half, num_blocks - half, view[half * step:],
+                      on_sent, coding)
+            return
         self.frames.append(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload))))
         if on_sent is not None:  # the payload was copied: its memory may be reused
             on_sent()

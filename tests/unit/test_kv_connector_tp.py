@@ -45,7 +45,14 @@ class _Wire:
     codec = codecs.NONE  # what the handshake agreed on (tests/unit/test_wire_codecs.py sets fp8)
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
-             coding=None) -> None:
+             coding=None, divisible=False) -> None:
+        if divisible and num_blocks > 1:  # cut between blocks, as the transport may cut such a payload
+            half, view = num_blocks // 2, memoryview(payload).cast("B")
+            step = len(view) // num_blocks
+            self.send(peer, transfer_id, layer, group, block_start, half, view[:half * step], None, coding)
+            self.send(peer, transfer_id, layer, group, block_start + half, num_blocks - half, view[half * step:],
+                      on_sent, coding)
+            return
         frame = Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload)))
         if coding is not None and self.codec != codecs.NONE:  # coded as the transport codes it
             coded = memoryview(bytes(encode(self.codec, memoryview(payload).cast("B"), *coding)))

@@ -533,6 +533,30 @@ def test_a_payload_is_released_once_all_its_frames_are_sent(pair):
     assert released.wait(5.0)
 
 
+@pytest.mark.parametrize("connections", [1, 4])
+def test_a_frame_goes_out_in_parts_of_a_connections_unsent_allowance(pair, connections):
+    """A connection takes about what it may keep unsent (here 16 KiB, 4 blocks) of a frame and
+    leaves the rest to whichever connection has room next, so none holds a transfer's tail alone;
+    the END frame counts the parts, and the payload is released once, after the last."""
+    rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=connections,
+                                                      frame_bytes=1 << 20, notsent_lowat_bytes=16 << 10))
+    released = threading.Event()
+    data = os.urandom(64 * 4096)
+    tx.send(peer, "t-tail", 3, 1, 100, 64, data, on_sent=released.set, divisible=True)  # one frame of 64 blocks
+    tx.finish(peer, "t-tail")
+    frames, end = collect(rx, "t-tail")
+    assert isinstance(end, TransferDone)
+    frames.sort(key=lambda f: f.block_start)
+    assert b"".join(bytes(f.payload) for f in frames) == data
+    assert [(f.layer, f.group) for f in frames] == [(3, 1)] * len(frames)
+    assert [f.block_start for f in frames] == [100 + sum(f.num_blocks for f in frames[:i]) for i in range(len(frames))]
+    if connections == 1:
+        assert len(frames) == 1  # a lone connection has no one to share with
+    else:
+        assert [f.num_blocks for f in frames] == [4] * 16
+    assert released.wait(5.0)
+
+
 def test_a_payload_of_a_failed_transfer_is_released_too(pair):
     _, tx, _ = pair()
     released = threading.Event()

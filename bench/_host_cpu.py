@@ -43,6 +43,8 @@ class Choice:
     floor_s: float   # the own processes' difference estimate
     ceiling_s: float  # all non-engine CPU per request at the higher load
     reason: str
+    # per load, lighter first: (the cores' non-engine CPU s, the own processes' CPU s, requests)
+    loads: tuple[tuple[float, float, int], ...] = ()
 
     def describe(self) -> str:
         return (f"{self.cpu_s * 1e3:.1f} ms of CPU per request ({self.reason}; cores' estimate "
@@ -77,16 +79,17 @@ def read() -> Reading:
 def choose(used: tuple[Reading, Reading], sent: tuple[int, int]) -> Choice:
     """CPU per request from two loads' readings (``used``, the lighter first) and requests ``sent``."""
     (low, high), (few, many) = used, sent
+    loads = ((low.cores_s, low.own_s, few), (high.cores_s, high.own_s, many))
     ceiling = max(high.cores_s, high.own_s) / many if many else 0.0
     if many <= few:
         own = max(0.0, high.own_s / many) if many else 0.0
         return Choice(own, 0.0, own, ceiling, f"the two loads sent {few} and {many} requests, too few to tell "
-                      "apart: the own processes' CPU per request at the higher load")
+                      "apart: the own processes' CPU per request at the higher load", loads=loads)
     cores, floor = (high.cores_s - low.cores_s) / (many - few), max(0.0, (high.own_s - low.own_s) / (many - few))
     if cores < floor:
         return Choice(floor, cores, floor, ceiling, "the cores' estimate fell below what the own processes spent "
-                      "(other work on the host changed between the loads): the own processes' figure")
+                      "(other work on the host changed between the loads): the own processes' figure", loads=loads)
     if cores > ceiling:
         return Choice(max(floor, ceiling), cores, floor, ceiling, "the cores' estimate exceeds all the CPU spent "
-                      "per request at the higher load (other work on the host): the ceiling")
-    return Choice(cores, cores, floor, ceiling, "the cores' estimate")
+                      "per request at the higher load (other work on the host): the ceiling", loads=loads)
+    return Choice(cores, cores, floor, ceiling, "the cores' estimate", loads=loads)

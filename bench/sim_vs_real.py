@@ -16,7 +16,8 @@ need on a small machine). Steps:
    threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
    Then, from two light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one
-   to send 45 requests; ``--calibration-seconds`` sets it), the CPU per request that the
+   to send 45 requests; ``--calibration-seconds`` sets it), after an unmeasured 15 s at the higher
+   one (the processes' first-request work), the CPU per request that the
    engines' cores spend outside the engines (the router, the load generator, the workers' front ends,
    the kernel's network work for them): on this machine they share the engines' cores, and the
    simulator slows the engines by the share they take at each load
@@ -80,6 +81,7 @@ WARMUP_REQUESTS = 4
 # enough that no queue builds (the machine's speed sets the knee: 3.8 req/s on an AVX-512 host, ~0.6 on AVX2).
 CALIBRATION_SHARES = (0.13, 0.4)
 CALIBRATION_REQUESTS = 45       # at the higher calibration load, at least: its length follows from the knee
+WARMUP_SECONDS = 15             # an unmeasured load at the higher calibration rate before the two measured ones
 KNEE_REQUESTS = 20_000
 # Every load sends prompts of its own (seed + its index; the calibration's from seed + 100): a prompt sent
 # before would find its KV in the engines' prefix caches, which on a slow machine hold a whole light load.
@@ -251,6 +253,10 @@ def serving_cpu_per_request(deployment: Deployment, rates: tuple[float, float], 
     """CPU seconds per request that the engines' cores spend on anything but the engines, from two
     light loads of equal length (``_host_cpu``: what is read, and how a noisy reading is bounded)."""
     used, sent = [], []
+    # Unmeasured first: what the processes do once, on their first requests of either path (lazy
+    # imports, the KV connections and their handshakes), would otherwise all fall in the lighter
+    # load and make the difference between the loads too small, or negative.
+    measure(deployment, rates[-1], WARMUP_SECONDS, seed + CALIBRATION_SEED + len(rates), out)
     for index, rate in enumerate(rates):
         before = _host_cpu.read()
         _, replay, _ = measure(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
@@ -352,7 +358,8 @@ def main(argv=None) -> int:
         try:
             rates = tuple(share * knee for share in CALIBRATION_SHARES)
             seconds = args.calibration_seconds or max(30.0, CALIBRATION_REQUESTS / rates[-1])
-            print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each ...",
+            print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each, after "
+                  f"{WARMUP_SECONDS} s unmeasured ...",
                   flush=True)
             host_cpu = serving_cpu_per_request(deployment, rates, seconds, args.seed, args.out)
             host_cpu_s = host_cpu.cpu_s

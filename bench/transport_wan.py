@@ -96,7 +96,8 @@ def main() -> int:
           f"{ours / cap_gbps:.3f} (iperf3 -P {args.connections}: {theirs / cap_gbps:.3f}; {args.rate_mbit} Mbit/s, "
           f"{path})")
     return verdict(f"transport WAN goodput vs iperf3 on the same path, {args.connections} connections", ours / theirs,
-                   TARGET, f"median {ours:.3f} vs {theirs:.3f} Gbit/s, {args.megabytes} MiB per transfer, {path}")
+                   TARGET, f"median {ours:.3f} vs {theirs:.3f} Gbit/s, {args.megabytes} MiB per transfer, {path}",
+                   baseline=f"iperf3 -P {args.connections} {theirs:.3f} Gbit/s")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def main() -> int:
     detail += (f"; none {raw:,.0f} KV tokens/s; {args.rate_mbit} Mbit/s, {args.rtt_ms:g} ms RTT, {args.loss:g}% "
                "loss, bfloat16 cache")
     return verdict(f"wire codec WAN KV tokens/s, the lower of {' and '.join(CODECS)} vs none", min(ratios.values()),
-                   TARGET, detail)
+                   TARGET, detail, baseline=f"codec none {raw:,.0f} KV tokens/s")
 
 
 if __name__ == "__main__":

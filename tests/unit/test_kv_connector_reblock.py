@@ -21,6 +21,7 @@ from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, protocol
+from support.wire import parts_on_the_wire
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 2, 4, 2, 4, 3
@@ -41,14 +42,8 @@ class _Wire:
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
              coding=None, divisible=False) -> None:
-        if divisible and num_blocks > 1:  # cut between blocks, as the transport may cut such a payload
-            half, view = num_blocks // 2, memoryview(payload).cast("B")
-            step = len(view) // num_blocks
-            self.send(peer, transfer_id, layer, group, block_start, half, view[:half * step], None, coding)
-            self.send(peer, transfer_id, layer, group, block_start + half, num_blocks - half, view[half * step:],
-                      on_sent, coding)
-            return
-        self.frames.append(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload))))
+        for start, count, part in parts_on_the_wire(block_start, num_blocks, payload, divisible):
+            self.frames.append(Frame(transfer_id, layer, group, start, count, memoryview(bytes(part))))
         if on_sent is not None:  # the payload was copied: its memory may be reused
             on_sent()
 

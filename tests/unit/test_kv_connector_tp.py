@@ -23,6 +23,7 @@ from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, Se
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_connector.codecs import encode
 from services.kv_transport import Frame, TransferDone, TransferFailed, codecs, protocol
+from support.wire import parts_on_the_wire
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 4, 4, 4, 4, 3  # at TP 4 the 2 KV heads are replicated, these not
@@ -46,19 +47,12 @@ class _Wire:
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None,
              coding=None, divisible=False) -> None:
-        if divisible and num_blocks > 1:  # cut between blocks, as the transport may cut such a payload
-            half, view = num_blocks // 2, memoryview(payload).cast("B")
-            step = len(view) // num_blocks
-            self.send(peer, transfer_id, layer, group, block_start, half, view[:half * step], None, coding)
-            self.send(peer, transfer_id, layer, group, block_start + half, num_blocks - half, view[half * step:],
-                      on_sent, coding)
-            return
-        frame = Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(bytes(payload)))
-        if coding is not None and self.codec != codecs.NONE:  # coded as the transport codes it
-            coded = memoryview(bytes(encode(self.codec, memoryview(payload).cast("B"), *coding)))
-            frame = Frame(transfer_id, layer, group, block_start, num_blocks, coded, protocol.DATA, self.codec,
-                          coding[1])
-        self.sent.append((peer, frame))
+        for start, count, part in parts_on_the_wire(block_start, num_blocks, payload, divisible):
+            frame = Frame(transfer_id, layer, group, start, count, memoryview(bytes(part)))
+            if coding is not None and self.codec != codecs.NONE:  # coded as the transport codes it
+                coded = memoryview(bytes(encode(self.codec, part, *coding)))
+                frame = Frame(transfer_id, layer, group, start, count, coded, protocol.DATA, self.codec, coding[1])
+            self.sent.append((peer, frame))
         if on_sent is not None:  # the payload was copied: its memory may be reused
             on_sent()
 

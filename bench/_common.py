@@ -136,13 +136,14 @@ def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connecti
 
 
 def send_transfer(receiver: subprocess.Popen, tx, peer: str, transfer_id: str, num_layers: int,
-                  layer_bytes: int) -> float:
+                  layer_bytes: int, divisible: bool = True) -> float:
     """Seconds from the first send of ``num_layers`` layers of ``layer_bytes`` (zeros, 64 blocks each)
-    through ``tx`` (a ``KVTransport``) until ``receiver`` completed the transfer."""
+    through ``tx`` (a ``KVTransport``) until ``receiver`` completed the transfer; ``divisible``: the
+    transport may cut its frames between blocks (``KVTransport.send``)."""
     payload = memoryview(bytes(layer_bytes))
     start = time.time()
     for layer in range(num_layers):
-        tx.send(peer, transfer_id, layer, 0, 0, 64, payload, divisible=True)
+        tx.send(peer, transfer_id, layer, 0, 0, 64, payload, divisible=divisible)
     tx.finish(peer, transfer_id)
     return wait_transfer(receiver, transfer_id) - start
 

@@ -17,7 +17,7 @@ at most about 0.955 of it as goodput. TCP uses the system's congestion control (
 root, gcc (the delay line is built on first use) and iperf3.
 Target: 8 connections reach 0.95 of iperf3's goodput with 8 streams.
 
-    python bench/transport_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--megabytes 256] [--rounds 5]
+    python bench/transport_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--megabytes 256] [--rounds 5] [--whole-frames]
 """
 from __future__ import annotations
 
@@ -38,12 +38,14 @@ TARGET = 0.95
 IPERF3_OMIT_S = 1
 
 
-def stream(receiver, tx: KVTransport, peer: str, layer_bytes: int, transfer_id: str) -> float:
+def stream(receiver, tx: KVTransport, peer: str, layer_bytes: int, transfer_id: str, divisible: bool = True) -> float:
     """Goodput of one transfer in Gbit/s, from its first send to the receiver's last frame."""
-    return NUM_LAYERS * layer_bytes * 8 / send_transfer(receiver, tx, peer, transfer_id, NUM_LAYERS, layer_bytes) / 1e9
+    seconds = send_transfer(receiver, tx, peer, transfer_id, NUM_LAYERS, layer_bytes, divisible)
+    return NUM_LAYERS * layer_bytes * 8 / seconds / 1e9
 
 
-def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, iperf3_s: int) -> tuple[float, float]:
+def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, iperf3_s: int,
+            divisible: bool = True) -> tuple[float, float]:
     """Median goodput (transport, iperf3) over ``rounds`` alternating runs; the transport's
     connections are opened by a first, unmeasured transfer (workers keep theirs open to a peer), and
     a shorter one brings them back from idle before each measured one."""
@@ -53,8 +55,8 @@ def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, ipe
     try:
         stream(receiver, tx, peer, layer_bytes, f"wan-{connections}-open")
         for round_id in range(rounds):
-            stream(receiver, tx, peer, layer_bytes // 4, f"wan-{connections}-{round_id}-warm")
-            ours.append(stream(receiver, tx, peer, layer_bytes, f"wan-{connections}-{round_id}"))
+            stream(receiver, tx, peer, layer_bytes // 4, f"wan-{connections}-{round_id}-warm", divisible)
+            ours.append(stream(receiver, tx, peer, layer_bytes, f"wan-{connections}-{round_id}", divisible))
             theirs.append(iperf3_run(link.ns_addr, connections, 0, netns=link.ns, seconds=iperf3_s,
                                      omit_s=IPERF3_OMIT_S).gbps)
             print(f"  {connections} connection(s), round {round_id + 1}: transport {ours[-1]:.3f} Gbit/s "
@@ -73,6 +75,8 @@ def main() -> int:
                         "one to open the connections (default 5)")
     parser.add_argument("--connections", type=int, default=8, help="connections of the headline (default 8)")
     parser.add_argument("--buffer-ms", type=int, default=20, help="bottleneck queue in ms at the cap (default 20)")
+    parser.add_argument("--whole-frames", action="store_true", help="send every frame whole, as the transport did "
+                        "before a slow connection took frames in parts (for an old/new comparison)")
     args = parser.parse_args()
     require("iperf3", "iperf3")
     cap_gbps = args.rate_mbit / 1000
@@ -84,7 +88,7 @@ def main() -> int:
             print(f"link: {args.rate_mbit} Mbit/s cap, {args.rtt_ms:g} ms added round trip, {args.loss:g}% random "
                   f"loss, TCP {congestion_control}; {args.megabytes} MiB per transfer", file=sys.stderr)
             iperf3_s = max(2, round(args.megabytes * 8 * 1.048576 / args.rate_mbit))  # a transfer at the cap
-            results = {n: measure(receiver, link, n, layer_bytes, args.rounds, iperf3_s)
+            results = {n: measure(receiver, link, n, layer_bytes, args.rounds, iperf3_s, not args.whole_frames)
                        for n in sorted({1, args.connections})}
         finally:
             receiver.kill()

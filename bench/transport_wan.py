@@ -17,7 +17,8 @@ at most about 0.955 of it as goodput. TCP uses the system's congestion control (
 root, gcc (the delay line is built on first use) and iperf3.
 Target: 8 connections reach 0.95 of iperf3's goodput with 8 streams.
 
-    python bench/transport_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--megabytes 256] [--rounds 5] [--whole-frames]
+    python bench/transport_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--megabytes 256] [--rounds 5]
+                                  [--whole-frames]
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ class Segment:
     predicted: dict
     real: PerRequest
     sim: PerRequest
+    replay: tuple = ()   # the requests sent, (arrival s, prompt tokens): the simulator replays them again
 
 
 def tested(index: int, num_rows: int) -> list[str]:

@@ -15,15 +15,13 @@ need on a small machine). Steps:
    the prefill (what this CPU deployment does, measured: see ``runtime_model``), the deployment's
    threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
-   Then, from two light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one
-   to send 45 requests; ``--calibration-seconds`` sets it), after an unmeasured 15 s at the higher
-   one (the processes' first-request work), the CPU per request that the
-   engines' cores spend outside the engines (the router, the load generator, the workers' front ends,
-   the kernel's network work for them): on this machine they share the engines' cores, and the
+   Then a first figure of the CPU per request that the engines' cores spend outside the engines (the
+   router, the load generator, the workers' front ends, the kernel's network work for them), from two
+   light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one to send 45
+   requests; ``--calibration-seconds`` sets it) after an unmeasured 15 s at the higher one (the
+   processes' first-request work): on this machine those processes share the engines' cores, and the
    simulator slows the engines by the share they take at each load
    (``simulation.host_cpu_s_per_request``; the engines' own processes are what the profile measured).
-   A noisy reading is bounded by what the project's own processes spent (``_host_cpu.py``); the
-   figure used, and why, is printed.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
@@ -31,6 +29,11 @@ need on a small machine). Steps:
    prompt length). Below the knee, a load runs again with new prompts while the 95% interval of the
    prediction's error in throughput or mean TTFT is wider than half its tolerance, ``--max-runs``
    runs at most (``_sim_rows.py``: the intervals, pooled request by request).
+4. The CPU outside the engines is read around every load, and the figure per request fitted over all
+   of them (``_host_cpu.py``: CPU = c + a x seconds + b x requests; bounded by what the project's own
+   processes spent); the simulator replays every load again with it. The two light loads alone
+   differ by too few requests to tell a request's CPU from the services' idle polling. Both figures,
+   the one used and why, are printed.
 
 Compared: throughput (completions per second over the arrival window after its first 10%, as the
 simulator counts it), the offloaded fraction (the router's counters against the simulator's
@@ -248,21 +251,26 @@ def measure(deployment: Deployment, rate: float, seconds: float, seed: int,
     return measured, [(a, float(lengths[i])) for a, i in zip(arrivals, order)], requests
 
 
-def serving_cpu_per_request(deployment: Deployment, rates: tuple[float, float], seconds: float, seed: int,
-                            out: Path) -> _host_cpu.Choice:
-    """CPU seconds per request that the engines' cores spend on anything but the engines, from two
-    light loads of equal length (``_host_cpu``: what is read, and how a noisy reading is bounded)."""
-    used, sent = [], []
+def metered(deployment: Deployment, rate: float, seconds: float, seed: int,
+            out: Path) -> tuple[dict, list, PerRequest, _host_cpu.Load]:
+    """``measure``, and what the load used of the CPU outside the engines, for ``_host_cpu.fit``."""
+    before, started = _host_cpu.read(), time.monotonic()
+    measured, replay, requests = measure(deployment, rate, seconds, seed, out)
+    load = _host_cpu.Load(_host_cpu.read() - before, time.monotonic() - started, len(replay))
+    return measured, replay, requests, load
+
+
+def calibrate(deployment: Deployment, rates: tuple[float, float], seconds: float, seed: int,
+              out: Path) -> list[_host_cpu.Load]:
+    """Two light loads of equal length, for a first figure of the CPU per request that the engines' cores
+    spend on anything but the engines (``_host_cpu``: what is read, and how a noisy reading is bounded);
+    every measured load adds to it."""
     # Unmeasured first: what the processes do once, on their first requests of either path (lazy
     # imports, the KV connections and their handshakes), would otherwise all fall in the lighter
     # load and make the difference between the loads too small, or negative.
     measure(deployment, rates[-1], WARMUP_SECONDS, seed + CALIBRATION_SEED + len(rates), out)
-    for index, rate in enumerate(rates):
-        before = _host_cpu.read()
-        _, replay, _ = measure(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
-        used.append(_host_cpu.read() - before)
-        sent.append(len(replay))
-    return _host_cpu.choose((used[0], used[1]), (sent[0], sent[1]))
+    return [metered(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)[3]
+            for index, rate in enumerate(rates)]
 
 
 def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
@@ -277,24 +285,36 @@ def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
     return mean_waiting(0.75 * window, window) - mean_waiting(0.25 * window, 0.5 * window)
 
 
-def run_load(deployment: Deployment, inputs, args, index: int, rate: float, host_cpu_s: float) -> dict:
+def run_load(deployment: Deployment, inputs, args, index: int, rate: float, host_cpu_s: float,
+             loads: list[_host_cpu.Load]) -> list[Segment]:
     """The ``index``-th load: run, replayed in the simulator, and run again with new prompts while a figure
-    it tests has too wide an interval, ``--max-runs`` at most (the overload point runs once)."""
+    it tests has too wide an interval, ``--max-runs`` at most (the overload point runs once). Each run's
+    CPU readings go to ``loads``."""
     share, started, segments = args.shares[index], time.monotonic(), []
     overload = index == len(args.shares) - 1
     while True:
         seconds = max(args.seconds, args.min_requests / rate)
         seed = args.seed + index + SEGMENT_SEED * len(segments)
-        measured, replay, real = measure(deployment, rate, seconds, seed, args.out)
+        measured, replay, real, load = metered(deployment, rate, seconds, seed, args.out)
+        loads.append(load)
         predicted, sim = predict(inputs, args.rtt_ms, replay, host_cpu_s)
-        segments.append(Segment(measured, predicted, real, sim))
+        segments.append(Segment(measured, predicted, real, sim, tuple(replay)))
         row = pooled_row(share, rate, segments)
         elapsed = time.monotonic() - started
         wide = too_wide(row, tested(index, len(args.shares)))
         print(f"sim_vs_real: {share:g}x the knee, run {len(segments)}: {row['measured']['requests']} requests in "
               f"{elapsed:.0f} s" + (f"; interval still wide for {', '.join(wide)}" if wide else ""), flush=True)
         if overload or not wide or len(segments) >= args.max_runs:
-            return row
+            return segments
+
+
+def replayed(inputs, args, segments: list[Segment], host_cpu_s: float) -> list[Segment]:
+    """The segments predicted again with the CPU per request fitted over every load."""
+    again = []
+    for segment in segments:
+        predicted, sim = predict(inputs, args.rtt_ms, list(segment.replay), host_cpu_s)
+        again.append(replace(segment, predicted=predicted, sim=sim))
+    return again
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -354,27 +374,32 @@ def main(argv=None) -> int:
               f"{args.seconds:g} s each", flush=True)
         print("sim_vs_real: starting the deployment ...", flush=True)
         deployment.start()
-        rows = []
+        runs, loads = [], []
         try:
             rates = tuple(share * knee for share in CALIBRATION_SHARES)
             seconds = args.calibration_seconds or max(30.0, CALIBRATION_REQUESTS / rates[-1])
             print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each, after "
                   f"{WARMUP_SECONDS} s unmeasured ...",
                   flush=True)
-            host_cpu = serving_cpu_per_request(deployment, rates, seconds, args.seed, args.out)
-            host_cpu_s = host_cpu.cpu_s
+            loads = calibrate(deployment, rates, seconds, args.seed, args.out)
+            first = _host_cpu.fit(loads)
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
-                  f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend {host_cpu.describe()}",
-                  flush=True)
+                  f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
+                  f"{first.describe()}", flush=True)
             for index, share in enumerate(args.shares):
-                rows.append(run_load(deployment, inputs, args, index, share * knee, host_cpu_s))
+                runs.append(run_load(deployment, inputs, args, index, share * knee, first.cpu_s, loads))
         finally:
             deployment.stop()
+    host_cpu = _host_cpu.fit(loads)
+    print(f"sim_vs_real: over every load the engines' cores spend {host_cpu.describe()}; the simulator replays "
+          "each load again with it", flush=True)
+    rows = [pooled_row(share, share * knee, replayed(inputs, args, segments, host_cpu.cpu_s))
+            for share, segments in zip(args.shares, runs)]
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
-        {"knee_req_s": knee, "targets": TARGETS, "host_cpu_s_per_request": host_cpu_s,
-         "host_cpu_calibration": asdict(host_cpu),
-         "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu_s)), "rows": rows},
+        {"knee_req_s": knee, "targets": TARGETS, "host_cpu_s_per_request": host_cpu.cpu_s,
+         "host_cpu_calibration": asdict(first), "host_cpu_fit": asdict(host_cpu),
+         "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu.cpu_s)), "rows": rows},
         indent=2))
     plot(rows, args.out / "sim_vs_real.png")
     print(table(rows))

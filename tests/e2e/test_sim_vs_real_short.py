@@ -32,8 +32,13 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     said = "\n".join([run.stdout[-3000:], *errors, run.stderr[-3000:]])
     assert run.returncode in (0, 1), said
     assert run.stdout.strip().splitlines()[-1].startswith("sim_vs_real: worst error"), said
-    rows = json.loads((tmp_path / "sim_vs_real.json").read_text())["rows"]
+    result = json.loads((tmp_path / "sim_vs_real.json").read_text())
+    rows = result["rows"]
     assert len(rows) == 2 and (tmp_path / "sim_vs_real.png").exists()
+    # The CPU outside the engines is fitted over the two calibration loads and both measured ones.
+    fitted = result["host_cpu_fit"]
+    assert len(fitted["loads"]) == 4 and result["host_cpu_s_per_request"] == fitted["cpu_s"] >= 0, fitted
+    assert "over every load the engines' cores spend" in run.stdout, said
     for row in rows:
         real, sim = row["measured"], row["predicted"]
         assert sim["offloaded_fraction"] == pytest.approx(real["offloaded_fraction"], abs=1e-9), row

@@ -6,21 +6,45 @@ import pytest
 from support.bench import bench_module
 
 host_cpu, intervals, rows = bench_module("_host_cpu"), bench_module("_intervals"), bench_module("_sim_rows")
-Reading, choose = host_cpu.Reading, host_cpu.choose
+Reading, Load, fit = host_cpu.Reading, host_cpu.Load, host_cpu.fit
 paired_error_interval, proportion_interval = intervals.paired_error_interval, intervals.proportion_interval
 PerRequest, Segment, pooled_row, too_wide = rows.PerRequest, rows.Segment, rows.pooled_row, rows.too_wide
 
 
-@pytest.mark.parametrize("low, high, sent, expected_ms, says", [
-    (Reading(2.0, 1.0), Reading(4.0, 2.0), (20, 60), 50.0, "the cores' estimate"),
-    (Reading(5.0, 1.0), Reading(4.0, 2.5), (20, 60), 37.5, "fell below"),        # was silently 0
-    (Reading(0.5, 1.0), Reading(4.0, 2.5), (20, 60), 66.7, "exceeds"),
-    (Reading(1.0, 1.0), Reading(1.5, 1.2), (30, 30), 40.0, "too few to tell apart"),
+def two(low: Reading, high: Reading, sent: tuple[int, int]) -> list:
+    return [Load(low, 66.0, sent[0]), Load(high, 66.0, sent[1])]
+
+
+@pytest.mark.parametrize("loads, expected_ms, says", [
+    (two(Reading(2.0, 1.0), Reading(4.0, 2.0), (20, 60)), 50.0, "the cores' fit"),
+    (two(Reading(5.0, 1.0), Reading(4.0, 2.5), (20, 60)), 37.5, "fell below"),        # was silently 0
+    (two(Reading(0.5, 1.0), Reading(4.0, 2.5), (20, 60)), 50.0, "exceeds"),      # the lighter load's 1.0 / 20
+    (two(Reading(1.0, 1.0), Reading(1.5, 1.2), (30, 30)), 40.0, "too few to tell apart"),
 ])
-def test_host_cpu_is_never_silently_zero(low, high, sent, expected_ms, says):
-    choice = choose((low, high), sent)
+def test_host_cpu_is_never_silently_zero(loads, expected_ms, says):
+    choice = fit(loads)
     assert choice.cpu_s * 1e3 == pytest.approx(expected_ms, abs=0.1)
     assert says in choice.reason and says in choice.describe()
+
+
+def test_every_load_pins_down_what_two_light_ones_cannot():
+    """10 s of idle CPU per load that varies by a second, 30 ms per request: two light loads 33 requests
+    apart read nothing (as measured once), the fit over them and three measured loads reads 30 ms."""
+    rng = random.Random(5)
+
+    def load(seconds: float, requests: int, idle_noise_s: float) -> Load:
+        cores = 1.5 + 0.13 * seconds + 0.030 * requests + idle_noise_s
+        own = 1.2 + 0.12 * seconds + 0.026 * requests + 0.9 * idle_noise_s + rng.gauss(0, 0.1)
+        return Load(Reading(cores, own), seconds, requests)
+
+    calibration = [load(66.0, 14, +0.5), load(66.0, 47, -0.5)]
+    assert fit(calibration).cores_s < 0.005
+    measured = [load(seconds, n, rng.gauss(0, 0.5)) for seconds, n in ((124, 70), (125, 137), (160, 334),
+                                                                        (123, 72), (124, 140))]
+    choice = fit(calibration + measured)
+    assert choice.cpu_s == pytest.approx(0.030, abs=0.008) and choice.reason == "the cores' fit"
+    assert 0 < choice.stderr_s < 0.008 and len(choice.loads) == 7
+    assert choice.ceiling_s == pytest.approx(min(lo.used.cores_s / lo.requests for lo in calibration + measured))
 
 
 def test_the_paired_interval_holds_the_error_and_narrows_with_requests():

@@ -54,24 +54,28 @@ def parse(name: str, exit_code: int, seconds: float, line: str) -> Result:
                   baseline["baseline"].strip() if baseline else "", target["verdict"] if target else "")
 
 
-def previous_run(results: Path, before: str) -> Path | None:
-    """The latest ``<run>.json`` in ``results`` earlier than the run named ``before``."""
-    runs = sorted(p for p in results.glob("*.json") if RUN_NAME.match(p.stem) and p.stem < before)
-    return runs[-1] if runs else None
+def earlier_runs(results: Path, before: str) -> list[Path]:
+    """The ``<run>.json`` files in ``results`` earlier than the run named ``before``, oldest first."""
+    return sorted(p for p in results.glob("*.json") if RUN_NAME.match(p.stem) and p.stem < before)
 
 
-def previous_figures(path: Path | None) -> dict[str, float | None]:
-    if path is None:
-        return {}
-    try:
-        rows = json.loads(path.read_text())["results"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {row["name"]: row.get("figure") for row in rows}
+def previous_figures(results: Path, before: str) -> dict[str, tuple[float | None, str]]:
+    """Each benchmark's figure in the latest run earlier than ``before`` that ran it, with that run's
+    name: a run of a few benchmarks by name (``--only``) leaves the others' last figures standing."""
+    found: dict[str, tuple[float | None, str]] = {}
+    for path in reversed(earlier_runs(results, before)):
+        try:
+            rows = json.loads(path.read_text())["results"]
+        except (OSError, ValueError, KeyError):
+            continue
+        for row in rows:
+            found.setdefault(row["name"], (row.get("figure"), path.stem))
+    return found
 
 
-def as_json(run: str, commit: str, results: list[Result], previous: Path | None) -> str:
-    return json.dumps({"run": run, "commit": commit, "previous": previous.stem if previous else None,
+def as_json(run: str, commit: str, results: list[Result], earlier: dict[str, tuple[float | None, str]]) -> str:
+    return json.dumps({"run": run, "commit": commit,
+                       "previous": {r.name: earlier[r.name][1] for r in results if r.name in earlier},
                        "results": [asdict(r) for r in results]}, indent=2)
 
 
@@ -85,16 +89,17 @@ def _cell(text: str) -> str:
     return (text or "-").replace("|", "\\|")
 
 
-def table(run: str, commit: str, results: list[Result], previous: Path | None,
-          earlier: dict[str, float | None]) -> str:
-    """The run as a markdown table: one row per benchmark, the previous run's figure beside each."""
-    since = f"previous run {previous.stem}" if previous else "no previous run"
+def table(run: str, commit: str, results: list[Result], earlier: dict[str, tuple[float | None, str]]) -> str:
+    """The run as a markdown table: one row per benchmark, its figure in the latest earlier run beside it."""
+    runs = sorted({earlier[r.name][1] for r in results if r.name in earlier}, reverse=True)
+    since = f"previous figures from {', '.join(runs)}" if runs else "no previous run"
     lines = [f"# Benchmarks {run} (commit {commit}; {since})", "",
              "| benchmark | figure | previous | target | baseline | result | exit | time s |",
              "| --- | ---: | ---: | --- | --- | --- | ---: | ---: |"]
     for r in results:
-        lines.append(f"| {r.name} | {_number(r.figure)} | {_number(earlier.get(r.name))} | {_cell(r.target)} | "
-                     f"{_cell(r.baseline)} | {'PASS' if r.passed else 'FAIL'} | {r.exit_code} | {r.seconds:.0f} |")
+        lines.append(f"| {r.name} | {_number(r.figure)} | {_number(earlier.get(r.name, (None, ''))[0])} | "
+                     f"{_cell(r.target)} | {_cell(r.baseline)} | {'PASS' if r.passed else 'FAIL'} | {r.exit_code} | "
+                     f"{r.seconds:.0f} |")
     lines += ["", f"{sum(r.passed for r in results)} of {len(results)} passed. Last lines:", ""]
     lines += [f"- {r.name}: `{r.last_line or '(no output)'}`" for r in results]
     return "\n".join(lines) + "\n"

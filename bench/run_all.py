@@ -4,7 +4,8 @@ Each benchmark runs as ``python bench/<name>.py`` with no arguments; its last li
 baseline, PASS or FAIL) and exit status make one row, a benchmark that fails or times out included.
 Writes ``bench/results/<run>.json`` and ``bench/results/<run>.md`` (``<run>`` is the local start time,
 ``YYYYmmdd-HHMMSS``), each benchmark's whole output in ``bench/results/<run>-logs/``, and beside every
-figure the one of the latest earlier run in bench/results. Exit status 0 only when every row passed.
+figure the same benchmark's in the latest earlier run in bench/results that ran it (an ``--only`` run
+leaves the others' figures standing). Exit status 0 only when every row passed.
 The long benchmarks (``LONG``) run only when named with ``--only``.
 
     python bench/run_all.py                              # what `make bench` runs
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (SIGTERM unwinds like Ctrl-C: the running benchmark is stopped too)
-from _headlines import Result, as_json, last_line, parse, previous_figures, previous_run, table
+from _headlines import Result, as_json, last_line, parse, previous_figures, table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -96,10 +97,10 @@ def main(argv=None) -> int:
         results.append(result)
         print(f"[{index}/{len(args.names)}] {name}: {'PASS' if result.passed else 'FAIL'} in {result.seconds:.0f} s: "
               f"{result.last_line or '(no output; see ' + str(logs / (name + '.log')) + ')'}", flush=True)
-    previous = previous_run(RESULTS, run)
+    earlier = previous_figures(RESULTS, run)
     revision = commit()
-    (RESULTS / f"{run}.json").write_text(as_json(run, revision, results, previous))
-    markdown = table(run, revision, results, previous, previous_figures(previous))
+    (RESULTS / f"{run}.json").write_text(as_json(run, revision, results, earlier))
+    markdown = table(run, revision, results, earlier)
     (RESULTS / f"{run}.md").write_text(markdown)
     print(f"\n{markdown}\nwritten: {RESULTS / (run + '.json')}, {RESULTS / (run + '.md')}, logs in {logs}")
     return 0 if all(r.passed for r in results) else 1

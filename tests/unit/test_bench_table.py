@@ -7,8 +7,8 @@ import pytest
 from support.bench import bench_module
 
 headlines = bench_module("_headlines")
-as_json, last_line, parse, previous_figures, previous_run, table = (
-    headlines.as_json, headlines.last_line, headlines.parse, headlines.previous_figures, headlines.previous_run,
+as_json, last_line, parse, previous_figures, table = (
+    headlines.as_json, headlines.last_line, headlines.parse, headlines.previous_figures,
     headlines.table)
 
 
@@ -46,31 +46,33 @@ def test_last_line_skips_trailing_blank_lines():
 
 def write_run(results: Path, run: str, figures: dict) -> None:
     rows = [parse(name, 0, 1.0, f"{name}: {value} (d); target >= 1: PASS") for name, value in figures.items()]
-    (results / f"{run}.json").write_text(as_json(run, "abc1234", rows, None))
+    (results / f"{run}.json").write_text(as_json(run, "abc1234", rows, {}))
 
 
-def test_the_previous_run_is_the_latest_earlier_one(tmp_path):
-    assert previous_run(tmp_path, "20261127-120000") is None
-    write_run(tmp_path, "20261126-090000", {"a": 1.0})
-    write_run(tmp_path, "20261127-080000", {"a": 2.0, "b": 3.0})
+def test_each_benchmark_s_previous_figure_is_from_the_latest_earlier_run_that_ran_it(tmp_path):
+    assert previous_figures(tmp_path, "20261127-120000") == {}
+    write_run(tmp_path, "20261126-090000", {"a": 1.0, "c": 4.0})
+    write_run(tmp_path, "20261127-080000", {"a": 2.0, "b": 3.0})   # a run of some benchmarks by name
     write_run(tmp_path, "20261128-080000", {"a": 9.0})      # later than the run being written
     (tmp_path / "sim_vs_real.json").write_text("{}")          # not a run of the table
-    previous = previous_run(tmp_path, "20261127-120000")
-    assert previous.stem == "20261127-080000"
-    assert previous_figures(previous) == {"a": 2.0, "b": 3.0}
-    assert previous_figures(None) == {}
+    (tmp_path / "20261127-090000.json").write_text("{not json")  # a run cut short while writing
+    assert previous_figures(tmp_path, "20261127-120000") == {
+        "a": (2.0, "20261127-080000"), "b": (3.0, "20261127-080000"), "c": (4.0, "20261126-090000")}
 
 
 def test_the_table_has_a_row_for_every_benchmark_failing_ones_too(tmp_path):
+    write_run(tmp_path, "20261126-080000", {"transport_wan": 0.8})
     write_run(tmp_path, "20261127-080000", {"cache_lookup": 1.9})
-    previous = previous_run(tmp_path, "20261127-120000")
+    earlier = previous_figures(tmp_path, "20261127-120000")
     results = [parse("cache_lookup", 0, 8.2, "lookup [ms]: 1.688 (d); baseline sha 4.3 ms; target <= 2.0: PASS"),
                parse("transport_wan", 1, 95.0, "wan: 0.773 (d); target >= 0.85 | x: FAIL"),
                parse("router_overhead", -15, 900.0, "")]
-    text = table("20261127-120000", "abc1234", results, previous, previous_figures(previous))
+    text = table("20261127-120000", "abc1234", results, earlier)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert rows[0] == "| cache_lookup | 1.688 | 1.9 | <= 2.0 | sha 4.3 ms | PASS | 0 | 8 |"
-    assert rows[1] == "| transport_wan | 0.773 | - | >= 0.85 \\| x | - | FAIL | 1 | 95 |"
+    assert rows[1] == "| transport_wan | 0.773 | 0.8 | >= 0.85 \\| x | - | FAIL | 1 | 95 |"
     assert rows[2] == "| router_overhead | - | - | - | - | FAIL | -15 | 900 |"
-    assert "previous run 20261127-080000" in text and "1 of 3 passed" in text
-    assert json.loads(as_json("r", "c", results, previous))["previous"] == "20261127-080000"
+    assert "previous figures from 20261127-080000, 20261126-080000" in text and "1 of 3 passed" in text
+    assert json.loads(as_json("r", "c", results, earlier))["previous"] == {
+        "cache_lookup": "20261127-080000", "transport_wan": "20261126-080000"}
+    assert "no previous run" in table("20261127-120000", "abc1234", results, {})

@@ -263,26 +263,32 @@ def test_link_telemetry_flows_while_the_kv_is_on_the_wire_and_the_prefill_engine
     unreported until the next prompt)."""
     assert wait_until(lambda: threshold(cluster) == BASE_THRESHOLD, REACT_S)  # offloading (not stopped at start)
     link.set_rate(DEGRADED_MBIT, side="ns")
-    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0,
-                           timeout=REQUEST_TIMEOUT_S)
-    prompt = random.Random(-1).choices(range(1000, 40000), k=LONG)
-    offloaded_before = cluster.routed("prfaas")
-    readings: list[int] = []
-    with ThreadPoolExecutor(1) as executor:
-        reply = executor.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=OUTPUT_TOKENS,
-                                temperature=0, extra_body={"ignore_eos": True})
-        while not reply.done():
-            readings.append(sum(k.bytes_sent for k in cluster.worker_stats("prefill-0").kv_links))
-            time.sleep(0.2)
-        assert reply.result().usage.completion_tokens == OUTPUT_TOKENS
-    assert cluster.routed("prfaas") == offloaded_before + 1
-    rises = sum(later > earlier for earlier, later in zip(readings, readings[1:]))
-    # ~14 MB at 30 Mbit/s: ~4 s on the wire, read every 0.2 s; the connector publishes every 0.25 s
-    assert rises >= 5, f"the sent-bytes figure rose {rises} times in {len(readings)} readings: {readings}"
+    try:
+        client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0,
+                               timeout=REQUEST_TIMEOUT_S)
+        prompt = random.Random(-1).choices(range(1000, 40000), k=LONG)
+        offloaded_before = cluster.routed("prfaas")
+        readings: list[int] = []
+        with ThreadPoolExecutor(1) as executor:
+            reply = executor.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=OUTPUT_TOKENS,
+                                    temperature=0, extra_body={"ignore_eos": True})
+            while not reply.done():
+                readings.append(sum(k.bytes_sent for k in cluster.worker_stats("prefill-0").kv_links))
+                time.sleep(0.2)
+            assert reply.result().usage.completion_tokens == OUTPUT_TOKENS
+        assert cluster.routed("prfaas") == offloaded_before + 1
+        rises = sum(later > earlier for earlier, later in zip(readings, readings[1:]))
+        # ~14 MB at 30 Mbit/s: ~4 s on the wire, read every 0.2 s; the connector publishes every 0.25 s
+        assert rises >= 5, f"the sent-bytes figure rose {rises} times in {len(readings)} readings: {readings}"
+    finally:
+        link.set_rate(NOMINAL_MBIT, side="ns")  # the next test starts on the nominal link
 
 
 def test_a_squeezed_link_raises_the_threshold_and_a_restored_one_lowers_it(cluster, link):
     timeline = Timeline(cluster)
+    # The nominal phase starts with the controller at rest: a squeezed link before (the test above)
+    # holds the threshold raised for a while after the cap is lifted.
+    assert wait_until(lambda: threshold(cluster) == BASE_THRESHOLD, REACT_S), timeline.close()
     with Load(cluster.base_url, seed=1) as load:
         assert wait_until(lambda: cluster.routed("prfaas") >= 2, REACT_S), timeline.close()
         nominal = offloaded_long_fraction(cluster, timeline)

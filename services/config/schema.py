@@ -95,7 +95,9 @@ class RouterConfig:
     connect_timeout_s: float = _opt(5.0, "Deadline for reaching a worker before trying another.")
     first_token_timeout_s: float = _opt(300.0, "Deadline for a worker's first token.")
     request_timeout_s: float = _opt(1800.0, "Deadline for a whole request on a worker.")
-    stats_interval_s: float = _opt(1.0, "How often the router polls worker stats and health.")
+    stats_interval_s: float = _opt(
+        1.0, "How often the router polls worker stats and health. Between these polls, a worker that is down "
+        "and carries no request is re-checked every `scheduler.worker_backoff_s` (at least 0.25 s).")
     max_attempts: int = _opt(3, "Workers tried per request when they fail before the first token.")
     max_migrations: int = _opt(
         2, "Times one request may move to another worker after its first token, when its decode worker fails "

@@ -37,6 +37,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # row unanswered: one missed poll can be a busy moment, two (at least one stats interval plus the
 # poll's timeout apart) are a hang or a dead link.
 UNANSWERED_POLLS = 2
+MIN_RECHECK_S = 0.25  # a down worker is polled at most this often
 
 
 class WorkerUnavailable(Exception):
@@ -305,6 +306,8 @@ class WorkerPool:
         self.layouts = LayoutNegotiation(metrics)
         self._poller: asyncio.Task | None = None
         self.on_poll: list[Callable[[], None]] = []
+        # how often a down worker is polled between the full polls: the first back-off's length
+        self.recheck_s = min(config.stats_interval_s, max(backoff.base_s, MIN_RECHECK_S))
 
     async def start(self) -> None:
         await self.poll_once()
@@ -439,9 +442,27 @@ class WorkerPool:
                             {h.name: announced[h.name] for h in serving if h.takes_kv})
 
     async def _poll_forever(self) -> None:
+        """Every worker each ``stats_interval_s``; between those, every ``recheck_s``, the workers that
+        are down and carry no request (one starting up, or back after a crash), so that a long stats
+        interval does not keep a serving worker out of the routes for that long."""
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self._config.stats_interval_s)
+            due = loop.time() + self._config.stats_interval_s
+            while due - loop.time() > self.recheck_s:
+                await asyncio.sleep(self.recheck_s)
+                await self.recheck_down()
+            await asyncio.sleep(max(0.0, due - loop.time()))
             await self.poll_once()
+
+    async def recheck_down(self) -> None:
+        """Poll the workers that are down and carry no request; a worker with a stream in flight is
+        left to the full poll, whose unanswered polls in a row say it hung (``UNANSWERED_POLLS``)."""
+        down = [h for h in self._handles.values() if not h.healthy and h.num_in_flight == 0]
+        if not down:
+            return
+        await asyncio.gather(*(self._poll(h) for h in down))
+        if any(h.healthy for h in down):
+            self.negotiate_layouts()
 
     async def _poll(self, handle: WorkerHandle) -> None:
         timeout = self._config.connect_timeout_s

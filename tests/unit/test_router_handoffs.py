@@ -10,7 +10,7 @@ until released, and the router must keep the others waiting without holding up l
 import asyncio
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prfaas.v1 import worker_pb2 as wpb
 from prfaas.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -165,20 +165,26 @@ class Stats(wpb_grpc.PrefillWorkerServicer):
         return wpb.WorkerStats(worker_name="p")
 
 
+async def _one_prefill_worker(stats_interval_s: float = 1.0):
+    """A prefill worker that answers health checks (``Health``) and stats, and a router's pool of it
+    and of a decode worker that is not there."""
+    security = GrpcSecurity()
+    server = grpc.aio.server(options=security.options)
+    checks = Health()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    wpb_grpc.add_PrefillWorkerServicer_to_server(Stats(), server)
+    port = security.add_port(server, "127.0.0.1:0")
+    await server.start()
+    config = parse_config({"model": {"name": "m", "path": "/m"},
+                           "router": {"connect_timeout_s": 0.2, "stats_interval_s": stats_interval_s},
+                           "workers": [{"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": port},
+                                       {"name": "d", "service": "decode_worker", "port": 1}]})
+    return server, checks, WorkerPool(config.workers, config.router, RouterMetrics(), security=security)
+
+
 def test_polls_a_worker_leaves_unanswered_are_counted_in_a_row():
     async def main():
-        security = GrpcSecurity()
-        server = grpc.aio.server(options=security.options)
-        checks = Health()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        wpb_grpc.add_PrefillWorkerServicer_to_server(Stats(), server)
-        port = security.add_port(server, "127.0.0.1:0")
-        await server.start()
-        config = parse_config({"model": {"name": "m", "path": "/m"}, "router": {"connect_timeout_s": 0.2},
-                               "workers": [{"name": "p", "service": "prefill_worker", "cluster": "prfaas",
-                                            "port": port},
-                                           {"name": "d", "service": "decode_worker", "port": 1}]})
-        pool = WorkerPool(config.workers, config.router, RouterMetrics(), security=security)
+        server, checks, pool = await _one_prefill_worker()
         handle = pool.handle("p")
         try:
             counts = []
@@ -192,3 +198,40 @@ def test_polls_a_worker_leaves_unanswered_are_counted_in_a_row():
             await pool.close()
             await server.stop(0)
     assert asyncio.run(main()) == [(0, True), (1, False), (2, False), (0, True)]
+
+
+def test_a_worker_that_comes_up_is_seen_long_before_the_next_full_poll():
+    # Measured in the worker-failure e2e test (stats every 30 s): one decode worker served 3 s after the
+    # router's first poll, so the router kept it down for 30 s, and a request that had to move off the
+    # other, killed worker found no worker to go on.
+    async def main():
+        server, checks, pool = await _one_prefill_worker(stats_interval_s=30.0)
+        await checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        handle = pool.handle("p")
+        try:
+            await pool.start()
+            down_at_start = not handle.healthy
+            await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+            started = asyncio.get_running_loop().time()
+            while not handle.healthy and asyncio.get_running_loop().time() - started < 10:
+                await asyncio.sleep(0.05)
+            seen_after = asyncio.get_running_loop().time() - started
+            # down again, with a request on it: only the full poll may count it as unanswered
+            await checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await pool.poll_once()
+            lease = pool.lease("p")
+            checks.hung = True
+            await asyncio.sleep(3 * pool.recheck_s)
+            unanswered_with_request = handle.num_unanswered_polls
+            lease.release()
+            await asyncio.sleep(3 * pool.recheck_s)
+            return down_at_start, seen_after, unanswered_with_request, handle.num_unanswered_polls
+        finally:
+            checks.hung = False
+            await pool.close()
+            await server.stop(0)
+    down_at_start, seen_after, unanswered_with_request, unanswered_without = asyncio.run(main())
+    assert down_at_start
+    assert seen_after < 2.5  # the re-check runs every back-off base (1 s), not every 30 s
+    assert unanswered_with_request == 0
+    assert unanswered_without >= 2

@@ -4,11 +4,18 @@ A prediction compared request by request with what was measured (the simulator r
 requests the load generator sent) errs by ``sum(predicted - measured) / sum(measured)``. Requests
 that arrive close together share a queue, so their errors are not independent: the interval
 resamples whole batches of consecutive requests (a block bootstrap), not single requests.
+
+Past the knee that bootstrap says little: the requests that complete inside the window are the
+earliest to arrive, so each batch is all done or all not, and the interval swings with how many of
+each a resample draws, however many requests there are. There the load runs as independent
+replications instead (each drained, each with prompts of its own), and the interval is Student's t
+over their errors (``replication_interval``).
 """
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -52,6 +59,21 @@ def paired_error_interval(measured: Sequence[float], predicted: Sequence[float],
                    for chosen in (rng.choices(picks, k=len(real)) for _ in range(resamples)))
     tail = (1 - level) / 2
     return Interval(estimate, draws[int(tail * (resamples - 1))], draws[math.ceil((1 - tail) * (resamples - 1))])
+
+
+def replication_interval(measured: Sequence[float], predicted: Sequence[float], level: float = LEVEL) -> Interval:
+    """The relative error of ``predicted`` against ``measured`` totals over independent replications
+    (one pair per replication), ``sum(predicted - measured) / sum(measured)``, and its ``level``
+    Student's t interval from the spread of the replications' own relative errors."""
+    if len(measured) != len(predicted) or len(measured) < 2 or min(measured) <= 0:
+        raise ValueError(f"need at least two replications, measured totals above 0 ({list(measured)} and "
+                         f"{list(predicted)})")
+    from scipy.stats import t
+
+    errors = [(p - m) / m for m, p in zip(measured, predicted)]
+    estimate = _ratio(sum(predicted) - sum(measured), sum(measured))
+    half = t.ppf(1 - (1 - level) / 2, len(errors) - 1) * statistics.stdev(errors) / math.sqrt(len(errors))
+    return Interval(estimate, estimate - half, estimate + half)
 
 
 def proportion_interval(share: float, count: int, level: float = LEVEL) -> Interval:

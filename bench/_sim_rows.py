@@ -3,16 +3,18 @@
 A load may run several times (segments, each drained before the next) until the intervals of the
 figures it tests are narrow enough; a row pools its segments request by request. Throughput and mean
 TTFT are compared per request (the simulator replays the very requests sent): their interval is a
-block bootstrap of the relative error (``_intervals``). The offloaded fraction is the same routing rule
-applied to the same prompts on both sides, so its error carries no sampling noise; its interval is the
-measured share's own (Wilson), for what it would be against other requests of the same load.
+block bootstrap of the relative error (``_intervals``). Past the knee the load's runs are independent
+replications, and the throughput's interval is Student's t over the runs' own errors instead. The
+offloaded fraction is the same routing rule applied to the same prompts on both sides, so its error
+carries no sampling noise; its interval is the measured share's own (Wilson), for what it would be
+against other requests of the same load.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
 
-from _intervals import Interval, paired_error_interval, proportion_interval
+from _intervals import Interval, paired_error_interval, proportion_interval, replication_interval
 
 TARGETS = {"throughput": 0.10, "offloaded_fraction": 0.10, "ttft_mean": 0.25}
 WELL_INSIDE = 0.5               # a tested figure's interval half-width at most this share of its tolerance
@@ -53,7 +55,9 @@ def tested(index: int, num_rows: int) -> list[str]:
     return ["throughput", "offloaded_fraction"] + (["ttft_mean"] if index < num_rows - 1 else [])
 
 
-def pooled_row(share: float, offered_rate: float, segments: list[Segment]) -> dict:
+def pooled_row(share: float, offered_rate: float, segments: list[Segment], replications: bool = False) -> dict:
+    """The load's figures over its runs; with ``replications`` (independent runs, at least two) the
+    throughput's interval is over the runs (``replication_interval``), else request by request."""
     counts = [seg.measured["requests"] for seg in segments]
     total = sum(counts)
     real = [seg.real for seg in segments]
@@ -70,12 +74,15 @@ def pooled_row(share: float, offered_rate: float, segments: list[Segment]) -> di
 
     measured = {**side("measured", real), "requests": total, "rate": total / sum(p.window_s for p in real)}
     predicted = side("predicted", sim)
+    by_runs = replications and len(segments) >= 2 and all(sum(p.done) for p in real)
     intervals = {
-        "throughput": paired_error_interval([d for p in real for d in p.done], [d for p in sim for d in p.done]),
+        "throughput": replication_interval([sum(p.done) for p in real], [sum(p.done) for p in sim]) if by_runs
+        else paired_error_interval([d for p in real for d in p.done], [d for p in sim for d in p.done]),
         "ttft_mean": paired_error_interval([t for p in real for t in p.ttfts], [t for p in sim for t in p.ttfts]),
         "offloaded_fraction": proportion_interval(measured["offloaded_fraction"], total)}
     return {"share": share, "offered_rate": offered_rate, "segments": len(segments), "measured": measured,
-            "predicted": predicted, "intervals": {key: asdict(value) for key, value in intervals.items()}}
+            "predicted": predicted, "intervals": {key: asdict(value) for key, value in intervals.items()},
+            "throughput_interval": "t over runs" if by_runs else "block bootstrap"}
 
 
 def too_wide(row: dict, keys: list[str]) -> list[str]:

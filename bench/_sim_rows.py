@@ -91,6 +91,11 @@ def too_wide(row: dict, keys: list[str]) -> list[str]:
             and Interval(**row["intervals"][key]).half_width > WELL_INSIDE * TARGETS[key]]
 
 
+def enough_runs(runs: int, wide: list[str], least: int, most: int) -> bool:
+    """Whether a load has run enough: ``most`` runs, or at least ``least`` with no tested interval too wide."""
+    return runs >= most or (runs >= least and not wide)
+
+
 def compare(rows: list[dict]) -> tuple[float, list[str]]:
     """The worst ratio of error to its target (<= 1 passes) and what failed."""
     worst, failures = 0.0, []

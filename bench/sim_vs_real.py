@@ -30,8 +30,9 @@ need on a small machine). Steps:
    prediction's error in throughput or mean TTFT is wider than half its tolerance, ``--max-runs``
    runs at most (``_sim_rows.py``: the intervals, pooled request by request). Past the knee that
    request-by-request interval says little (the requests done inside the window are the earliest to
-   arrive), so the overload point runs ``--overload-runs`` independent replications of half
-   ``--seconds`` each, and its throughput's interval is Student's t over their errors.
+   arrive), so the overload point runs independent replications of half ``--seconds`` each, and its
+   throughput's interval is Student's t over their errors: ``--overload-runs`` of them, then more while
+   that interval is wider than half its tolerance, ``--max-overload-runs`` in all at most.
 4. The CPU outside the engines is read around every load, and the figure per request fitted over all
    of them (``_host_cpu.py``: CPU = c + a x seconds + b x requests; bounded by what the project's own
    processes spent); the simulator replays every load again with it. The two light loads alone
@@ -47,7 +48,7 @@ both sides at the overload point. The table prints each error with its interval.
 ``<out>/sim_vs_real.json`` and ``<out>/sim_vs_real.png``, ``<out>`` by default
 ``bench/results/sim_vs_real-<time>``. Needs root (namespaces).
 
-    python bench/sim_vs_real.py                     # 120 s per load, 6 runs of 60 s past the knee
+    python bench/sim_vs_real.py                     # 120 s per load, 6 to 10 runs of 60 s past the knee
     python bench/sim_vs_real.py --seconds 60 --loads 0.3,0.7,1.5
 """
 from __future__ import annotations
@@ -67,7 +68,8 @@ import yaml
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 import _host_cpu
 from _common import results_dir
-from _sim_rows import TARGETS, PerRequest, Segment, compare, plot, pooled_row, table, tested, too_wide
+from _sim_rows import (TARGETS, PerRequest, Segment, compare, enough_runs, plot, pooled_row, table, tested,
+                       too_wide)
 from support.deployment import Deployment, deployment_config
 from support.netns import available, veth_link
 from support.ports import free_port
@@ -96,8 +98,11 @@ SEGMENT_SEED = 1000             # a load's later runs: seed + its index + this x
 # Independent runs at the overload point. Its throughput's interval cannot come from one run: past the knee
 # the requests done inside the window are the earliest to arrive, so the request-by-request bootstrap
 # resamples a step (measured: +-9% at 355 requests, and no narrower over four runs pooled). Four runs with
-# the same arrivals erred by +1.2, -2.3, +2.2 and +2.4% (sd 2.2%); six give Student's t about +-3%.
+# the same arrivals erred by +1.2, -2.3, +2.2 and +2.4% (sd 2.2%); six give Student's t about +-3%. With
+# prompts of their own and the machine's speed drifting, six runs scattered by 4% and 6% in two full runs
+# (+-4.4% and +-6.1%): at 6%, nine runs are needed for +-5%, so the point runs on while it is wider.
 OVERLOAD_RUNS = 6
+MAX_OVERLOAD_RUNS = 10
 
 
 def make_config() -> dict:
@@ -296,10 +301,12 @@ def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
 def run_load(deployment: Deployment, inputs, args, index: int, rate: float, host_cpu_s: float,
              loads: list[_host_cpu.Load]) -> list[Segment]:
     """The ``index``-th load: run, replayed in the simulator, and run again with new prompts while a figure
-    it tests has too wide an interval, ``--max-runs`` at most. The overload point runs ``--overload-runs``
-    independent replications of half ``--seconds`` each instead. Each run's CPU readings go to ``loads``."""
+    it tests has too wide an interval, ``--max-runs`` at most. The overload point runs independent
+    replications of half ``--seconds`` each instead, ``--overload-runs`` at least and more while its
+    throughput's interval is too wide, ``--max-overload-runs`` at most. Each run's CPU readings go to ``loads``."""
     share, started, segments = args.shares[index], time.monotonic(), []
     overload = index == len(args.shares) - 1
+    least, most = (args.overload_runs, args.max_overload_runs) if overload else (1, args.max_runs)
     seconds = max(args.seconds / 2 if overload else args.seconds, args.min_requests / rate)
     while True:
         seed = args.seed + index + SEGMENT_SEED * len(segments)
@@ -312,7 +319,7 @@ def run_load(deployment: Deployment, inputs, args, index: int, rate: float, host
         wide = too_wide(row, tested(index, len(args.shares)))
         print(f"sim_vs_real: {share:g}x the knee, run {len(segments)}: {row['measured']['requests']} requests in "
               f"{elapsed:.0f} s" + (f"; interval still wide for {', '.join(wide)}" if wide else ""), flush=True)
-        if len(segments) >= (args.overload_runs if overload else args.max_runs) or (not overload and not wide):
+        if enough_runs(len(segments), wide, least, most):
             return segments
 
 
@@ -345,11 +352,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-runs", type=int, default=2,
                         help="a load below the knee runs again (new prompts, once the last drained) while the "
                         "interval of a figure it tests is wider than half that figure's tolerance, at most this "
-                        "many runs in all (default: %(default)s; the overload point runs once)")
+                        "many runs in all (default: %(default)s; the overload point: --overload-runs)")
     parser.add_argument("--overload-runs", type=int, default=OVERLOAD_RUNS,
-                        help="the overload point's independent runs, half --seconds each, each drained, with "
-                        "prompts of its own: its throughput's interval is Student's t over their errors "
+                        help="the overload point's independent runs at least, half --seconds each, each drained, "
+                        "with prompts of its own: its throughput's interval is Student's t over their errors "
                         "(default: %(default)s)")
+    parser.add_argument("--max-overload-runs", type=int, default=None,
+                        help="the overload point runs again while its throughput's interval is wider than half "
+                        f"its tolerance, at most this many runs in all (default: {MAX_OVERLOAD_RUNS}, or "
+                        "--overload-runs where that is more)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: bench/results/sim_vs_real-<time>; an earlier run's resumes "
                         "its profile)")
@@ -361,9 +372,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shares = [float(x) for x in args.loads.split(",")]
     args.out = args.out or results_dir("sim_vs_real")
-    if len(args.shares) < 2 or args.seconds < 20 or args.max_runs < 1 or args.overload_runs < 2:
+    if args.max_overload_runs is None:
+        args.max_overload_runs = max(MAX_OVERLOAD_RUNS, args.overload_runs)
+    if (len(args.shares) < 2 or args.seconds < 20 or args.max_runs < 1 or args.overload_runs < 2
+            or args.max_overload_runs < args.overload_runs):
         parser.error("--loads: need at least two shares (the last is the overload point); --seconds at least 20; "
-                     "--max-runs at least 1; --overload-runs at least 2")
+                     "--max-runs at least 1; --overload-runs at least 2; --max-overload-runs at least "
+                     "--overload-runs")
     return args
 
 
@@ -383,7 +398,8 @@ def main(argv=None) -> int:
         inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick, args.shared_profile_cache))
         knee = predicted_knee(inputs, args.rtt_ms, args.seed)
         print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
-              f"{args.seconds:g} s each below the knee, {args.overload_runs} runs of {args.seconds / 2:g} s past it",
+              f"{args.seconds:g} s each below the knee, {args.overload_runs} to {args.max_overload_runs} runs of "
+              f"{args.seconds / 2:g} s past it",
               flush=True)
         print("sim_vs_real: starting the deployment ...", flush=True)
         deployment.start()
@@ -426,7 +442,8 @@ def main(argv=None) -> int:
                   "say more")
         else:
             print(f"note: at {row['share']:g}x the knee the interval of {', '.join(wide)} over {row['segments']} "
-                  f"independent runs is wider than half its tolerance: more runs (--overload-runs) would narrow it")
+                  f"independent runs is wider than half its tolerance (--max-overload-runs {args.max_overload_runs}): "
+                  "more runs would narrow it")
     for failure in failures:
         print("FAIL:", failure)
     verdict = "PASS" if not failures else "FAIL"

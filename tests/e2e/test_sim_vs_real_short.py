@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
                           "--min-requests", "6", "--max-runs", "1", "--loads",
-                          "0.3,2.0", "--overload-runs", "2", "--calibration-seconds", "6", "--quick",
+                          "0.3,2.0", "--overload-runs", "2", "--max-overload-runs", "2",
+                          "--calibration-seconds", "6", "--quick",
                           "--shared-profile-cache",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)

@@ -114,3 +114,38 @@ def test_the_replication_interval_holds_its_level():
     assert 0.90 <= held / 400 <= 0.99
     with pytest.raises(ValueError, match="at least two"):
         replication_interval([60.0], [61.0])
+
+
+def test_the_overload_point_runs_on_while_its_interval_is_wide():
+    """Six runs at least; more while the throughput's interval is wider than half its tolerance; a cap.
+    Runs that scatter by 6% (as measured on a 2-core host) need about nine for +-5%, runs that scatter by
+    2% stop at six, runs that scatter by 20% stop at the cap."""
+    enough_runs = rows.enough_runs
+    assert not enough_runs(5, [], 6, 10) and enough_runs(6, [], 6, 10)
+    assert not enough_runs(6, ["throughput"], 6, 10) and enough_runs(10, ["throughput"], 6, 10)
+    assert enough_runs(1, [], 1, 2) and not enough_runs(1, ["ttft_mean"], 1, 2)
+
+    def runs_needed(scatter: float, seed: int) -> int:
+        rng, runs = random.Random(seed), []
+        while True:
+            real_done = 60
+            sim_done = round(real_done * (1 + rng.gauss(0, scatter)))
+            runs.append(segment([1.0] * 100, [1.0] * 100, [1] * real_done + [0] * (100 - real_done),
+                                [1] * sim_done + [0] * (100 - sim_done)))
+            row = pooled_row(1.5, 3.0, runs, replications=True)
+            if enough_runs(len(runs), too_wide(row, ["throughput"]), 6, 10):
+                return len(runs)
+
+    assert [runs_needed(0.02, seed) for seed in range(5)] == [6] * 5
+    assert [runs_needed(0.20, seed) for seed in range(5)] == [10] * 5
+    middling = [runs_needed(0.06, seed) for seed in range(20)]
+    assert min(middling) >= 6 and max(middling) <= 10 and sum(n > 6 for n in middling) >= 5, middling
+
+
+def test_the_overload_run_count_is_checked():
+    sim_vs_real = bench_module("sim_vs_real")
+    assert sim_vs_real.parse_args([]).max_overload_runs == sim_vs_real.MAX_OVERLOAD_RUNS
+    assert sim_vs_real.parse_args(["--overload-runs", "12"]).max_overload_runs == 12
+    assert sim_vs_real.parse_args(["--overload-runs", "2", "--max-overload-runs", "2"]).max_overload_runs == 2
+    with pytest.raises(SystemExit):
+        sim_vs_real.parse_args(["--overload-runs", "6", "--max-overload-runs", "4"])

@@ -120,11 +120,13 @@ def fit(loads: Sequence[Load]) -> Choice:
     cores = per_request([load.used.cores_s for load in loads], loads)
     own = per_request([load.used.own_s for load in loads], loads)
     if cores is None or own is None:
-        many = max(reversed(loads), key=lambda load: load.requests, default=None)  # the latest of a tie
-        figure = max(0.0, many.used.own_s / many.requests) if many and many.requests else 0.0
-        return Choice(figure, 0.0, figure, ceiling, f"the loads sent {sorted({lo.requests for lo in loads})} "
-                      "requests, too few to tell apart: the own processes' CPU per request at the largest load",
-                      loads=record)
+        return _at_largest_load(loads, ceiling, record, f"the loads sent {sorted({lo.requests for lo in loads})} "
+                                "requests, too few to tell apart")
+    if cores[0] <= 0 and own[0] <= 0:
+        return _at_largest_load(loads, ceiling, record, f"both fits came out at or below 0 (cores' "
+                                f"{cores[0] * 1e3:.1f} ms, own processes' {own[0] * 1e3:.1f} ms): the loads' "
+                                "requests differ by too few to tell a request's CPU from the services' idle work",
+                                cores[0])
     (cores_s, stderr), floor = cores, max(0.0, own[0])
     if cores_s < floor:
         return Choice(floor, cores_s, floor, ceiling, "the cores' fit fell below what the own processes spent "
@@ -133,3 +135,12 @@ def fit(loads: Sequence[Load]) -> Choice:
         return Choice(max(floor, ceiling), cores_s, floor, ceiling, "the cores' fit exceeds all the CPU a load "
                       "spent per request (other work on the host): the ceiling", stderr, record)
     return Choice(cores_s, cores_s, floor, ceiling, "the cores' fit", stderr, record)
+
+
+def _at_largest_load(loads: Sequence[Load], ceiling: float, record: tuple, why: str, cores_s: float = 0.0) -> Choice:
+    """Where the loads cannot pin a request's CPU down: the own processes' whole non-engine CPU per request
+    at the load that sent the most (the latest of a tie), idle work included, so an upper bound rather than 0."""
+    many = max(reversed(loads), key=lambda load: load.requests, default=None)
+    figure = max(0.0, many.used.own_s / many.requests) if many and many.requests else 0.0
+    return Choice(figure, cores_s, figure, ceiling, f"{why}: the own processes' CPU per request at the largest "
+                  "load", loads=record)

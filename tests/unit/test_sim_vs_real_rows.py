@@ -21,6 +21,8 @@ def two(low: Reading, high: Reading, sent: tuple[int, int]) -> list:
     (two(Reading(5.0, 1.0), Reading(4.0, 2.5), (20, 60)), 37.5, "fell below"),        # was silently 0
     (two(Reading(0.5, 1.0), Reading(4.0, 2.5), (20, 60)), 50.0, "exceeds"),      # the lighter load's 1.0 / 20
     (two(Reading(1.0, 1.0), Reading(1.5, 1.2), (30, 30)), 40.0, "too few to tell apart"),
+    # both fits below 0 (measured once: cores' -5.5 ms, own processes' below 0): the larger load's own 2.5 / 60
+    (two(Reading(5.0, 3.0), Reading(4.5, 2.5), (20, 60)), 41.7, "both fits came out at or below 0"),
 ])
 def test_host_cpu_is_never_silently_zero(loads, expected_ms, says):
     choice = fit(loads)

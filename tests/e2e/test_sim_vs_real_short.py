@@ -1,7 +1,7 @@
 """bench/sim_vs_real.py in short (a light load of 20 s, or of 6 requests where the machine's knee is low,
 run once, and two independent runs of 10 s past the knee, after two calibration loads of 6 s, the quick
 profile from the shared point cache), so the benchmark cannot rot. The full comparison is
-`python bench/sim_vs_real.py` (about 22 minutes with its profile).
+`python bench/sim_vs_real.py` (22-29 minutes with its profile).
 
 Not its targets (20 s of load is too little for them), but what must hold at any length: the router
 and the simulator route the very same requests, so their offloaded fractions are equal; below the

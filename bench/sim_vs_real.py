@@ -22,6 +22,12 @@ need on a small machine). Steps:
    processes' first-request work): on this machine those processes share the engines' cores, and the
    simulator slows the engines by the share they take at each load
    (``simulation.host_cpu_s_per_request``; the engines' own processes are what the profile measured).
+   The same two loads measure the PrfaaS prefill worker's speed (``_prfaas_speed.py``): the profile is
+   ``decode-0``'s engine, and ``prefill-0`` ran 0.88 to 1.04x its latency in full runs here, which near
+   the knee moves mean TTFT by more than its tolerance. The factor on the PrfaaS instance's latency
+   curve at which the simulator, replaying those requests, gives their offloaded requests' measured
+   mean TTFT is applied from then on, and the knee predicted again with it: the loads below are shares
+   of that knee. Both knees and the factor are printed.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
@@ -67,6 +73,7 @@ import yaml
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 import _host_cpu
+import _prfaas_speed
 from _common import results_dir
 from _sim_rows import (TARGETS, PerRequest, Segment, compare, enough_runs, plot, pooled_row, table, tested,
                        too_wide)
@@ -274,16 +281,38 @@ def metered(deployment: Deployment, rate: float, seconds: float, seed: int,
 
 
 def calibrate(deployment: Deployment, rates: tuple[float, float], seconds: float, seed: int,
-              out: Path) -> list[_host_cpu.Load]:
-    """Two light loads of equal length, for a first figure of the CPU per request that the engines' cores
-    spend on anything but the engines (``_host_cpu``: what is read, and how a noisy reading is bounded);
-    every measured load adds to it."""
+              out: Path) -> tuple[list[_host_cpu.Load], list[tuple[list, PerRequest]]]:
+    """Two light loads of equal length: what each used of the CPU outside the engines, for a first figure
+    of the CPU per request that the engines' cores spend on anything but the engines (``_host_cpu``: what
+    is read, and how a noisy reading is bounded; every measured load adds to it), and the requests each
+    sent with their measured TTFTs, for the PrfaaS prefill worker's speed (``_prfaas_speed``)."""
     # Unmeasured first: what the processes do once, on their first requests of either path (lazy
     # imports, the KV connections and their handshakes), would otherwise all fall in the lighter
     # load and make the difference between the loads too small, or negative.
     measure(deployment, rates[-1], WARMUP_SECONDS, seed + CALIBRATION_SEED + len(rates), out)
-    return [metered(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)[3]
-            for index, rate in enumerate(rates)]
+    loads, samples = [], []
+    for index, rate in enumerate(rates):
+        _, replay, real, load = metered(deployment, rate, seconds, seed + CALIBRATION_SEED + index, out)
+        loads.append(load)
+        samples.append((replay, real))
+    return loads, samples
+
+
+def prfaas_speed(inputs, rtt_ms: float, samples: list[tuple[list, PerRequest]],
+                 host_cpu_s: float) -> _prfaas_speed.Speed:
+    """The factor on the PrfaaS instance's prefill latency at which the simulator, replaying the calibration
+    loads' requests, gives their offloaded requests' measured mean TTFT (``_prfaas_speed``). Offloaded: longer
+    than the threshold, the router's rule (both sides route the very same requests alike)."""
+    picks = [[i for i, (_, tokens) in enumerate(replay) if tokens > THRESHOLD] for replay, _ in samples]
+    measured = [real.ttfts[i] for (_, real), chosen in zip(samples, picks) for i in chosen]
+
+    def mean_at(factor: float) -> float:
+        scaled = _prfaas_speed.with_factor(inputs, factor)
+        ttfts = [sim.ttfts[i] for (replay, _), chosen in zip(samples, picks) if chosen
+                 for sim in [predict(scaled, rtt_ms, replay, host_cpu_s)[1]] for i in chosen]
+        return statistics.fmean(ttfts) if ttfts else 0.0
+
+    return _prfaas_speed.fit(mean_at, measured)
 
 
 def queue_growth(arrivals: list[float], ttfts: list[float]) -> float:
@@ -396,25 +425,29 @@ def main(argv=None) -> int:
         deployment = Deployment(config, args.out, prefixes={"prefill-0": link.exec_argv([])})
         deployment.config_path.write_text(yaml.safe_dump(config))
         inputs = planner_inputs(profile(deployment.config_path, args.out, args.quick, args.shared_profile_cache))
-        knee = predicted_knee(inputs, args.rtt_ms, args.seed)
-        print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
-              f"{args.seconds:g} s each below the knee, {args.overload_runs} to {args.max_overload_runs} runs of "
-              f"{args.seconds / 2:g} s past it",
-              flush=True)
+        profiled_knee = predicted_knee(inputs, args.rtt_ms, args.seed)
+        print(f"sim_vs_real: predicted knee with the profile as it is {profiled_knee:.3f} req/s", flush=True)
         print("sim_vs_real: starting the deployment ...", flush=True)
         deployment.start()
         runs, loads = [], []
         try:
-            rates = tuple(share * knee for share in CALIBRATION_SHARES)
+            rates = tuple(share * profiled_knee for share in CALIBRATION_SHARES)
             seconds = args.calibration_seconds or max(30.0, CALIBRATION_REQUESTS / rates[-1])
             print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each, after "
                   f"{WARMUP_SECONDS} s unmeasured ...",
                   flush=True)
-            loads = calibrate(deployment, rates, seconds, args.seed, args.out)
+            loads, samples = calibrate(deployment, rates, seconds, args.seed, args.out)
             first = _host_cpu.fit(loads)
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
                   f"{first.describe()}", flush=True)
+            speed = prfaas_speed(inputs, args.rtt_ms, samples, first.cpu_s)
+            inputs = _prfaas_speed.with_factor(inputs, speed.factor)
+            knee = predicted_knee(inputs, args.rtt_ms, args.seed)
+            print(f"sim_vs_real: the PrfaaS prefill worker runs at {speed.describe()}", flush=True)
+            print(f"sim_vs_real: predicted knee {knee:.3f} req/s; loads {', '.join(f'{s:g}x' for s in args.shares)}, "
+                  f"{args.seconds:g} s each below the knee, {args.overload_runs} to {args.max_overload_runs} runs of "
+                  f"{args.seconds / 2:g} s past it", flush=True)
             for index, share in enumerate(args.shares):
                 runs.append(run_load(deployment, inputs, args, index, share * knee, first.cpu_s, loads))
         finally:
@@ -427,7 +460,8 @@ def main(argv=None) -> int:
             for index, (share, segments) in enumerate(zip(args.shares, runs))]
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
-        {"knee_req_s": knee, "targets": TARGETS, "host_cpu_s_per_request": host_cpu.cpu_s,
+        {"knee_req_s": knee, "profiled_knee_req_s": profiled_knee, "prfaas_speed": asdict(speed),
+         "targets": TARGETS, "host_cpu_s_per_request": host_cpu.cpu_s,
          "host_cpu_calibration": asdict(first), "host_cpu_fit": asdict(host_cpu),
          "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu.cpu_s)), "rows": rows},
         indent=2))

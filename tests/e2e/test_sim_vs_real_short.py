@@ -42,6 +42,11 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     fitted = result["host_cpu_fit"]
     assert len(fitted["loads"]) == 5 and result["host_cpu_s_per_request"] == fitted["cpu_s"] >= 0, fitted
     assert "over every load the engines' cores spend" in run.stdout, said
+    # The PrfaaS prefill worker's speed against the profile, from the calibration loads' offloaded requests.
+    measured = result["prfaas_speed"]
+    assert 0.5 <= measured["factor"] <= 2.0 and measured["profiled_s"] > 0, measured
+    assert result["knee_req_s"] > 0 and result["profiled_knee_req_s"] > 0, result
+    assert "the PrfaaS prefill worker runs at" in run.stdout, said
     for row in rows:
         real, sim = row["measured"], row["predicted"]
         assert sim["offloaded_fraction"] == pytest.approx(real["offloaded_fraction"], abs=1e-9), row

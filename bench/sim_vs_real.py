@@ -27,7 +27,12 @@ need on a small machine). Steps:
    the knee moves mean TTFT by more than its tolerance. The factor on the PrfaaS instance's latency
    curve at which the simulator, replaying those requests, gives their offloaded requests' measured
    mean TTFT is applied from then on, and the knee predicted again with it: the loads below are shares
-   of that knee. Both knees and the factor are printed.
+   of that knee. Both knees and the factor are printed. Before that factor is fitted, pairs of long
+   prompts sent alone and while short ones decode on ``decode-0`` measure how much the colocated
+   worker's decoding slows the PrfaaS prefill (``_interference.py``: the engines share the host's
+   memory system, and a CPU decode step streams the whole model); the simulator slows the PrfaaS
+   instance by it while its colocated worker decodes (``simulation.colocated_interference``), and the
+   knee becomes the rate at which the capacity simulated at that rate equals it.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
@@ -73,6 +78,7 @@ import yaml
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 import _host_cpu
+import _interference
 import _prfaas_speed
 from _common import results_dir
 from _sim_rows import (TARGETS, PerRequest, Segment, compare, enough_runs, plot, pooled_row, table, tested,
@@ -98,6 +104,8 @@ CALIBRATION_SHARES = (0.13, 0.4)
 CALIBRATION_REQUESTS = 45       # at the higher calibration load, at least: its length follows from the knee
 WARMUP_SECONDS = 15             # an unmeasured load at the higher calibration rate before the two measured ones
 KNEE_REQUESTS = 20_000
+KNEE_ITERATIONS = 6             # the knee's fixed point with interference: damped steps at most
+KNEE_TOLERANCE = 0.005
 # Every load sends prompts of its own (seed + its index; the calibration's from seed + 100): a prompt sent
 # before would find its KV in the engines' prefix caches, which on a slow machine hold a whole light load.
 CALIBRATION_SEED = 100
@@ -221,10 +229,43 @@ def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), s
 
 def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
     """The simulator's capacity (utilization law over its resources) for the workload's distribution,
-    engines on cores of their own."""
+    engines on cores of their own. With interference the PrfaaS prefill's busy time grows with how much
+    the colocated worker decodes, so with the rate: the knee is then the rate at which the capacity
+    simulated at that rate equals it, found by damped steps from the capacity at a light rate."""
     from services.simulator.engine import simulate
 
-    return simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
+    knee = simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
+    if not (inputs.simulation or {}).get("colocated_interference"):
+        return knee
+    for _ in range(KNEE_ITERATIONS):
+        again = simulate(run_spec(inputs, rtt_ms, knee, KNEE_REQUESTS, seed=seed)).capacity()
+        if abs(again - knee) <= KNEE_TOLERANCE * knee:
+            return again
+        knee = (knee + again) / 2
+    return knee
+
+
+def with_interference(inputs, interference: float):
+    """``inputs`` whose simulation slows the PrfaaS prefill while the colocated worker decodes."""
+    return replace(inputs, simulation={**(inputs.simulation or {}), "colocated_interference": interference})
+
+
+def interference(deployment: Deployment, inputs, rtt_ms: float, pairs: int) -> _interference.Interference:
+    """The PrfaaS prefill worker's slowdown while the colocated worker decodes, measured on the deployment
+    (``_interference``): the KV transfer and decode steps it subtracts come from the profile and the link."""
+    import math
+
+    from services.planner.profiles import PiecewiseLinear
+
+    spec = run_spec(inputs, rtt_ms, 0.2, 1)
+    topo, tokens = spec.topology, _interference.PROMPT_TOKENS
+    transfer = topo.prfaas_kv_bytes(tokens) / spec.runtime.link_bytes_per_s(topo.link_gbps)
+    curve = inputs.simulation["decode_step_s_by_batch"]
+    step = PiecewiseLinear(tuple(float(b) for b, _ in curve), tuple(float(t) for _, t in curve))
+    alone = topo.prfaas_latency(tokens) + transfer + step(1)
+    decode_tokens = math.ceil(_interference.OUTLAST * alone / step(_interference.BACKGROUND))
+    alone_s, busy_s = _interference.measure(deployment.base_url, decode_tokens, pairs)
+    return _interference.fit(alone_s, busy_s, transfer, step)
 
 
 def predict(inputs, rtt_ms: float, replay, host_cpu_s: float) -> tuple[dict, PerRequest]:
@@ -375,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="each of two light loads (0.13x and 0.4x the knee) that measure the CPU per request the "
                         "engines' cores spend outside the engines (default: 30, or long enough for the higher one "
                         f"to send {CALIBRATION_REQUESTS} requests on a machine where the knee is low)")
+    parser.add_argument("--interference-pairs", type=int, default=_interference.PAIRS,
+                        help="pairs of long prompts, alone and while the colocated worker decodes, that measure how "
+                        "much its decoding slows the PrfaaS prefill (the median is used; default: %(default)s)")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
@@ -404,10 +448,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_overload_runs is None:
         args.max_overload_runs = max(MAX_OVERLOAD_RUNS, args.overload_runs)
     if (len(args.shares) < 2 or args.seconds < 20 or args.max_runs < 1 or args.overload_runs < 2
-            or args.max_overload_runs < args.overload_runs):
+            or args.max_overload_runs < args.overload_runs or args.interference_pairs < 1):
         parser.error("--loads: need at least two shares (the last is the overload point); --seconds at least 20; "
                      "--max-runs at least 1; --overload-runs at least 2; --max-overload-runs at least "
-                     "--overload-runs")
+                     "--overload-runs; --interference-pairs at least 1")
     return args
 
 
@@ -441,6 +485,12 @@ def main(argv=None) -> int:
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
                   f"{first.describe()}", flush=True)
+            print("sim_vs_real: measuring how much the colocated worker's decoding slows the PrfaaS prefill ...",
+                  flush=True)
+            slowdown = interference(deployment, inputs, args.rtt_ms, args.interference_pairs)
+            print(f"sim_vs_real: while the colocated worker decodes the PrfaaS prefill worker computes "
+                  f"1 / (1 + x) as fast, x = {slowdown.describe()}", flush=True)
+            inputs = with_interference(inputs, slowdown.value)
             speed = prfaas_speed(inputs, args.rtt_ms, samples, first.cpu_s)
             inputs = _prfaas_speed.with_factor(inputs, speed.factor)
             knee = predicted_knee(inputs, args.rtt_ms, args.seed)
@@ -461,6 +511,7 @@ def main(argv=None) -> int:
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
         {"knee_req_s": knee, "profiled_knee_req_s": profiled_knee, "prfaas_speed": asdict(speed),
+         "interference": asdict(slowdown),
          "targets": TARGETS, "host_cpu_s_per_request": host_cpu.cpu_s,
          "host_cpu_calibration": asdict(first), "host_cpu_fit": asdict(host_cpu),
          "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu.cpu_s)), "rows": rows},

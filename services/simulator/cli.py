@@ -114,6 +114,10 @@ def _add_runtime_arguments(parser) -> None:
                        help="replace the local PD cluster's prefill/decode split with N colocated 'both' workers, "
                        "each one engine that prefills local-path requests and decodes every path (a step costs its "
                        "prefill pieces plus one decode step); implies --per-instance (default: 0, the split)")
+    group.add_argument("--colocated-interference", type=float, metavar="X",
+                       help="with --local-both on the PrfaaS engines' host (CPU engines sharing one memory system): "
+                       "while a share s of the colocated workers decode, the PrfaaS prefill computes at 1 / (1 + X s) "
+                       f"of the profile's speed; 0: hosts of their own (default: {default.colocated_interference:g})")
     group.add_argument("--admission", action=argparse.BooleanOptionalAction, default=None,
                        help="the router's admission control judges each routed request (capacity and, with "
                        "--admission-ttft-slo, the predicted TTFT); rejected requests are counted and enter no "
@@ -128,7 +132,8 @@ def _add_runtime_arguments(parser) -> None:
 
 
 RUNTIME_FLAGS = ("chunk_tokens", "link_rtt_ms", "connections", "connection_window_bytes", "layerwise",
-                 "pool_load_gbps", "per_instance", "local_both", "admission", "max_in_flight", "admission_ttft_slo_s")
+                 "pool_load_gbps", "per_instance", "local_both", "colocated_interference", "admission", "max_in_flight",
+                 "admission_ttft_slo_s")
 
 
 def _runtime(args, inputs):

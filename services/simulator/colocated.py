@@ -14,6 +14,9 @@ local prefill's last piece; for KV streamed in, the first step the request runs 
 arrived and it holds a slot (the engine computes its last prompt token there), so it waits for the
 step under way, a long prefill chunk maybe, and then for its own. Its TTFT ends there; each output
 token after the first takes one more step. Pool loads as in :mod:`services.simulator.prefill`.
+
+``decoding_changed``, when set, hears the share of the instances whose step advances decodes each
+time it changes (the engine slows the PrfaaS prefill with it: ``RuntimeModel.colocated_interference``).
 """
 from __future__ import annotations
 
@@ -64,6 +67,9 @@ class ColocatedInstances:
         self.prefill_wait_s = self.wait_s = 0.0
         self.max_prefill_queue = self.max_queue = 0
         self.finished: Event = _nothing
+        self.decoding_now = [False] * n         # the step under way advances decodes
+        self.num_decoding_now = 0
+        self.decoding_changed: Callable[[float, float], None] | None = None
 
     @property
     def num_queued(self) -> int:
@@ -221,6 +227,12 @@ class ColocatedInstances:
             self.run_steps[instance] = decoding[0][0] - self.num_steps[instance]
             self.run_step_s[instance] = self._decode_step_s(instance)
             self._schedule(now + self.run_steps[instance] * self.run_step_s[instance], instance)
+        decoding_now = self.state[instance] != IDLE and bool(decoding)
+        if decoding_now != self.decoding_now[instance]:
+            self.decoding_now[instance] = decoding_now
+            self.num_decoding_now += 1 if decoding_now else -1
+            if self.decoding_changed is not None:
+                self.decoding_changed(now, self.num_decoding_now / self.num_instances)
 
     def _prefill_pieces(self, now: float, instance: int) -> tuple[tuple[tuple[int, float], ...], float]:
         """This step's prefill pieces: started prefills first, then queued ones while budget is left."""

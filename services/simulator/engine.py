@@ -126,6 +126,8 @@ class _Simulation:
         self.heap: list[tuple[float, int, int]] = []
         self.decode_s = spec.workload.output_tokens * topo.decode_step_s
         self._start_instances()
+        if runtime.colocated_interference:
+            self._interfere(runtime.colocated_interference)
         self.local.finished = self.decode.submit
         gbps = bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps)
         self.link = Link(runtime, topo.link_gbps, gbps, LINK, self.heap, self.kv, n)
@@ -176,6 +178,19 @@ class _Simulation:
                                    (prfaas_kinds, local_kinds, DECODE, (BOTH_STEP, LOADED_BOTH)))
         self.prfaas, self.local, self.decode, self.both = (self.router.prfaas, self.router.local, self.router.decode,
                                                            self.router.both)
+
+    def _interfere(self, interference: float) -> None:
+        """The PrfaaS instances compute at ``1 / (1 + interference * s)`` of their speed while a share s of
+        the colocated workers decode (``RuntimeModel.colocated_interference``)."""
+        if self.both is None:
+            raise ValueError("simulation.colocated_interference: needs colocated workers (local_both)")
+        prfaas = self.prfaas
+        prfaas.slowable()
+
+        def decoding_changed(now: float, share: float) -> None:
+            prfaas.set_speed(now, 1.0 / (1.0 + interference * share))
+
+        self.both.decoding_changed = decoding_changed
 
     def queue_lengths(self) -> tuple[int, int, int, int]:
         return self.prfaas.num_queued, self.local_queued, self.link.num_waiting, self.decode.num_queued

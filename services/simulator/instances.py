@@ -71,6 +71,19 @@ class PrefillInstances:
         """The longest queue of one instance."""
         return max((m.max_queue for m in self.members), default=0)
 
+    @property
+    def slowed_s(self) -> float:
+        return sum(m.slowed_s for m in self.members)
+
+    def slowable(self) -> None:
+        for member in self.members:
+            member.slowable()
+
+    def set_speed(self, now: float, speed: float) -> None:
+        """Every instance computes at ``speed`` of the profile's speed from ``now`` on."""
+        for member in self.members:
+            member.set_speed(now, speed)
+
     def submit(self, now: float, rid: int, work: float, load_s: float = 0.0) -> None:
         instance = self.dest[rid]
         self.num_assigned[instance] += 1

@@ -17,6 +17,12 @@ Pool hits (``load_s`` > 0): the connector loads a cached prefix asynchronously, 
 When a request's turn comes its load starts and the instance takes the next request; once loaded,
 the request goes back to the head of the queue (vLLM leaves a request waiting for remote KV in its
 place).
+
+Slowed (:meth:`PrefillCluster.slowable`, then :meth:`PrefillCluster.set_speed`): the instance computes at
+a share of the profile's speed that changes while its work runs (an engine sharing its host's memory
+with engines that decode: ``RuntimeModel.colocated_interference``). Each prefill or step in flight
+keeps its work in the profile's seconds; a change of speed moves its end, and ``slowed_s`` sums the
+seconds it ran beyond that work.
 """
 from __future__ import annotations
 
@@ -57,6 +63,47 @@ class PrefillCluster:
         self.finished: Finished = _nothing
         self.started: Finished | None = None
         self.on_event = self._on_step if chunk_tokens else self._on_prefilled
+        self.speed = 1.0
+        self.in_flight: dict[int, tuple[float, float, float]] | None = None   # key: (end, start, work s)
+        self.slowed_s = 0.0
+
+    def slowable(self) -> None:
+        """Track the prefills (steps) in flight, so that :meth:`set_speed` can move their ends."""
+        if self.in_flight is None:
+            self.in_flight = {}
+
+    def set_speed(self, now: float, speed: float) -> None:
+        """From ``now`` on the instance computes at ``speed`` (0 < speed <= 1) of the profile's speed."""
+        in_flight = self.in_flight
+        if in_flight is None:
+            raise RuntimeError("set_speed needs slowable() first")
+        if speed == self.speed:
+            return
+        for key, (end, start, work) in list(in_flight.items()):
+            end = now + (end - now) * self.speed / speed
+            in_flight[key] = (end, start, work)
+            heapq.heappush(self.heap, (end, self.kind, key))
+        self.speed = speed
+
+    def _push(self, now: float, work: float, key: int) -> None:
+        if self.in_flight is None:
+            heapq.heappush(self.heap, (now + work, self.kind, key))
+            return
+        end = now + work / self.speed
+        self.in_flight[key] = (end, now, work)
+        heapq.heappush(self.heap, (end, self.kind, key))
+
+    def _current(self, now: float, key: int) -> bool:
+        """Whether the event of ``key`` at ``now`` is its end as last scheduled (not one a change of speed moved)."""
+        in_flight = self.in_flight
+        if in_flight is None:
+            return True
+        entry = in_flight.get(key)
+        if entry is None or entry[0] != now:
+            return False
+        del in_flight[key]
+        self.slowed_s += now - entry[1] - entry[2]
+        return True
 
     @property
     def num_queued(self) -> int:
@@ -117,7 +164,7 @@ class PrefillCluster:
     # Whole requests -----------------------------------------------------------------------------
 
     def _start(self, now: float, rid: int) -> None:
-        heapq.heappush(self.heap, (now + self.work[rid], self.kind, rid))
+        self._push(now, self.work[rid], rid)
         if self.started is not None:
             self.started(now, rid)
 
@@ -126,10 +173,12 @@ class PrefillCluster:
         rid = self._take(now)
         if rid < 0:
             return False
-        heapq.heappush(self.heap, (now + self.work[rid], self.kind, rid))
+        self._push(now, self.work[rid], rid)
         return True
 
     def _on_prefilled(self, now: float, rid: int) -> None:
+        if not self._current(now, rid):
+            return
         if not self._next(now):
             self.free += 1
         self.finished(now, rid)
@@ -177,9 +226,11 @@ class PrefillCluster:
 
     def _schedule(self, now: float, instance: int, cost: float, pieces: tuple[tuple[int, float], ...]) -> None:
         self.pieces[instance] = pieces
-        heapq.heappush(self.heap, (now + cost, self.kind, self.event_base + instance))
+        self._push(now, cost, self.event_base + instance)
 
     def _on_step(self, now: float, event: int) -> None:
+        if not self._current(now, event):
+            return
         instance = event - self.event_base
         tokens, done, running = self.work, self.done, self.running[instance]
         finished = []

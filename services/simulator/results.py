@@ -118,7 +118,7 @@ def result_of(sim: Any, wall_s: float) -> SimResult:
         arrivals=sim.arrival_t, ttfts=sim.ttft, num_slo_met=sim.slo_met, decode_s=sim.decode_s,
         output_tokens=spec.workload.output_tokens, num_offloaded=sim.num_offloaded,
         offloaded_kv_bytes=sim.offloaded_bytes,
-        busy_s={"prfaas_prefill": sim.busy_prfaas, "local_prefill": sim.busy_local,
+        busy_s={"prfaas_prefill": sim.busy_prfaas + sim.prfaas.slowed_s, "local_prefill": sim.busy_local,
                 "link": sim.offloaded_bytes / nominal_bw if nominal_bw else 0.0, "decode": n * sim.decode_s},
         servers={"prfaas_prefill": topo.num_prfaas, "local_prefill": topo.num_local_prefill + topo.num_both,
                  "link": channels if nominal_bw else 0,

@@ -31,6 +31,11 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   and every engine's prefill and decode steps take ``1 / (1 - that share)`` times what the profile
   measured on a core of its own (:meth:`RuntimeModel.contention_factor`). 0: nothing else runs on the
   engines' cores (GPU engines; a router on a host of its own).
+- ``colocated_interference``: engines on one host share its memory system, and a CPU decode step
+  streams the whole model's weights: while a share s of the colocated workers (``local_both``) run
+  steps that advance decodes, the PrfaaS prefill instances compute at ``1 / (1 + this * s)`` of the
+  profile's speed (a prefill in flight slows and speeds up as s changes). 0: engines on hosts of their
+  own (GPU deployments). ``bench/sim_vs_real.py`` measures it on its host.
 - ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
   increasing: a colocated worker's decode step time by the number decoding (the profile's decode
   points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every
@@ -72,6 +77,7 @@ class RuntimeModel:
     host_cpu_s_per_request: float = 0.0
     host_cores: int = 0
     decode_step_s_by_batch: tuple[tuple[float, float], ...] = ()
+    colocated_interference: float = 0.0
     admission: bool = False
     max_in_flight: int = 0
     admission_ttft_slo_s: float = 0.0
@@ -86,6 +92,8 @@ class RuntimeModel:
                   ("host_cpu_s_per_request", self.host_cpu_s_per_request >= 0,
                    "must be 0 (nothing else on the engines' cores) or positive"),
                   ("host_cores", self.host_cores >= 0, "must be 0 (unknown: no contention) or positive"),
+                  ("colocated_interference", self.colocated_interference >= 0,
+                   "must be 0 (engines on hosts of their own) or positive"),
                   ("max_in_flight", self.max_in_flight >= 0, "must be 0 (max_batch_size per instance) or positive"),
                   ("admission_ttft_slo_s", self.admission_ttft_slo_s >= 0, "must be 0 (no SLO) or positive")]
         curve = self.decode_step_s_by_batch

@@ -27,7 +27,7 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
                           "--min-requests", "6", "--max-runs", "1", "--loads",
                           "0.3,2.0", "--overload-runs", "2", "--max-overload-runs", "2",
-                          "--calibration-seconds", "6", "--quick",
+                          "--calibration-seconds", "6", "--interference-pairs", "1", "--quick",
                           "--shared-profile-cache",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
@@ -47,6 +47,11 @@ def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
     assert 0.5 <= measured["factor"] <= 2.0 and measured["profiled_s"] > 0, measured
     assert result["knee_req_s"] > 0 and result["profiled_knee_req_s"] > 0, result
     assert "the PrfaaS prefill worker runs at" in run.stdout, said
+    # How much the colocated worker's decoding slows the PrfaaS prefill, from one pair of long prompts.
+    slowdown = result["interference"]
+    assert slowdown["value"] >= 0 and len(slowdown["samples"]) == len(slowdown["busy_s"]) == 1, slowdown
+    assert min(slowdown["alone_s"] + slowdown["busy_s"]) > 0, slowdown
+    assert "while the colocated worker decodes the PrfaaS prefill worker computes" in run.stdout, said
     for row in rows:
         real, sim = row["measured"], row["predicted"]
         assert sim["offloaded_fraction"] == pytest.approx(real["offloaded_fraction"], abs=1e-9), row

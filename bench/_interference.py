@@ -1,23 +1,30 @@
-"""How much slower the PrfaaS prefill worker computes while the colocated worker decodes, for
-bench/sim_vs_real.py (the simulator's ``colocated_interference``).
+"""What slows the PrfaaS prefill worker in the running deployment beyond its profile, for
+bench/sim_vs_real.py: its KV sender's CPU (the simulator's ``send_cpu_ms_per_mib``) and the colocated
+worker's decoding (``colocated_interference``).
 
-On this machine ``prefill-0`` and ``decode-0`` run on two cores of one host. A CPU decode step streams
-the model's weights from memory (about 540 MB a step with float32 SmolLM2), and the prefill beside it
-shares that memory system: measured in isolation, a float32 prefill-sized matmul loop on one core ran
-8.5% slower while the other core ran decode-sized ones. The light calibration loads cannot see it (the
-colocated worker is mostly idle there), and with float32 engines the simulator came out too fast near
-the knee (-12% and -29% mean TTFT at 0.7x in two full runs).
+On this machine ``prefill-0``'s engine and its KV sender threads share one core, and ``decode-0`` runs
+on the other core of the same host. Replayed from five saved full runs (float32 and bfloat16), a
+prefill that started right as the one before it finished (its KV leaving) took a median 8-20% longer
+than one that started on an idle worker. And a CPU decode step streams the model's weights from the
+memory the prefill beside it shares: in isolation, a float32 prefill-sized matmul loop on one core ran
+8.5% slower while the other core ran decode-sized ones. The light calibration loads see little of
+either (requests seldom queue, the colocated worker is mostly idle), and near the knee the simulator
+came out too fast with float32 engines (mean TTFT -12% and -29% at 0.7x in two full runs).
 
-Measured here on the running deployment, through the router with the official client: pairs of one long
-prompt (offloaded) sent alone, and the same length sent while ``background`` short prompts (local) are
-all decoding on ``decode-0``, long enough to outlast the prefill. Each prompt is new (random token ids),
-so no prefix is cached. With D the extra decode-side wait of the busy case (half the step under way at
-the background batch, then its own step at one more, against one step alone), P the alone prefill (its
-TTFT less the KV transfer and its decode step) and B, A the busy and alone TTFTs:
+Measured here on the running deployment, through the router with the official client, ``pairs`` times:
 
-    interference = median over pairs of (B - A - D) / P
+- alone: a long prompt (offloaded), nothing else running: TTFT A;
+- back to back: two long prompts, the second sent ``BEHIND`` seconds after the first, so that it waits
+  for the first's prefill and computes while the first's KV leaves: the second's first token comes
+  F seconds after the first was sent. With the first's prefill and the second's alone both A less
+  the KV transfer X and a decode step S(1), the sender's CPU taken from the second is
+  ``D = F - 2 A + X + S(1)``, and ``send_cpu_ms_per_mib`` is D over the KV's MiB;
+- beside decoding: a long prompt sent while ``BACKGROUND`` short prompts (local) are all decoding on
+  ``decode-0``, long enough to outlast it: TTFT B. With E the decode side's extra wait there (half the
+  step under way at the background batch, then its own step at one more, against one step alone) and
+  P = A - X - S(1) the prefill, ``colocated_interference`` is (B - A - E) / P.
 
-which is the factor a share of 1 of decoding colocated workers costs the prefill (``RuntimeModel``).
+Each figure is the median over the pairs; every prompt is new (random token ids), so no prefix is cached.
 """
 from __future__ import annotations
 
@@ -28,44 +35,64 @@ import time
 from dataclasses import dataclass
 
 PROMPT_TOKENS = 1536        # offloaded (above the threshold), and a point the profile measures
-BACKGROUND = 4              # short prompts decoding during the busy half: a batch the loads near the knee reach
+BEHIND = 0.25               # the second prompt of a back-to-back pair, after the first: it waits for its step
+BACKGROUND = 4              # short prompts decoding: a batch the loads near the knee reach
 BACKGROUND_TOKENS = 64      # local (below the threshold)
 PAIRS = 3
 OUTLAST = 1.5               # background decodes last this many times the alone TTFT
 SEED = 7000
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Interference:
-    value: float                    # the simulator's colocated_interference
-    samples: tuple[float, ...]      # per pair
-    alone_s: tuple[float, ...]      # TTFTs
-    busy_s: tuple[float, ...]
-    extra_s: float                  # the decode side's extra wait in the busy case
+    send_cpu_ms_per_mib: float
+    colocated: float                # colocated_interference
+    send_samples: tuple[float, ...]
+    colocated_samples: tuple[float, ...]
+    alone_s: tuple[float, ...]      # TTFTs alone
+    behind_s: tuple[float, ...]     # the second of a back-to-back pair: its first token after the first was sent
+    beside_s: tuple[float, ...]     # TTFTs beside decoding
+    transfer_s: float
+    extra_s: float                  # the decode side's extra wait beside decoding
     note: str = ""
 
     def describe(self) -> str:
-        return (f"{self.value:.3f} (per pair {', '.join(f'{s:+.3f}' for s in self.samples)}; {PROMPT_TOKENS}-token "
-                f"prompts, TTFT alone {statistics.median(self.alone_s):.3f} s, with {BACKGROUND} requests decoding "
-                f"{statistics.median(self.busy_s):.3f} s, of which {self.extra_s * 1000:.0f} ms their decode "
-                f"steps add){self.note}")
+        alone = statistics.median(self.alone_s)
+        return (f"the KV sender takes {self.send_cpu_ms_per_mib:.1f} ms of the PrfaaS prefill's CPU per MiB sent (per "
+                f"pair {', '.join(f'{s:.1f}' for s in self.send_samples)}; {PROMPT_TOKENS}-token prompts: TTFT alone "
+                f"{alone:.3f} s, of which {self.transfer_s:.3f} s the KV transfer; the second of two back to back, "
+                f"first token {statistics.median(self.behind_s):.3f} s after the first was sent); the colocated "
+                f"worker's decoding slows it by x = {self.colocated:.3f} (per pair "
+                f"{', '.join(f'{s:+.3f}' for s in self.colocated_samples)}; TTFT beside {BACKGROUND} decoding requests "
+                f"{statistics.median(self.beside_s):.3f} s, of which {self.extra_s * 1000:.0f} ms their decode steps "
+                f"add){self.note}")
 
 
-def fit(alone: list[float], busy: list[float], transfer_s: float, step_s, background: int = BACKGROUND) -> Interference:
-    """The interference from the measured TTFT pairs; ``step_s(batch)``: the profile's decode step."""
+def fit(alone: list[float], behind: list[float], beside: list[float], transfer_s: float, kv_bytes: float, step_s,
+        background: int = BACKGROUND) -> Interference:
+    """Both figures from the measured times; ``step_s(batch)``: the profile's decode step."""
     extra = 0.5 * step_s(background) + step_s(background + 1) - step_s(1)
-    samples = tuple((b - a - extra) / max(a - transfer_s - step_s(1), 1e-9) for a, b in zip(alone, busy))
-    value, note = statistics.median(samples), ""
-    if value < 0:
-        value, note = 0.0, "; below 0 (noise): 0"
-    return Interference(value, samples, tuple(alone), tuple(busy), extra, note)
+    prefill = [max(a - transfer_s - step_s(1), 1e-9) for a in alone]
+    send = tuple((f - 2 * a + transfer_s + step_s(1)) * 1000 / (kv_bytes / MIB) for a, f in zip(alone, behind))
+    colocated = tuple((b - a - extra) / p for a, b, p in zip(alone, beside, prefill))
+    send_value, colocated_value, notes = statistics.median(send), statistics.median(colocated), []
+    if send_value < 0:
+        send_value = 0.0
+        notes.append("the sender's CPU below 0 (noise): 0")
+    if colocated_value < 0:
+        colocated_value = 0.0
+        notes.append("x below 0 (noise): 0")
+    return Interference(send_value, colocated_value, send, colocated, tuple(alone), tuple(behind), tuple(beside),
+                        transfer_s, extra, "".join(f"; {note}" for note in notes))
 
 
-def measure(base_url: str, decode_tokens: int, pairs: int = PAIRS, seed: int = SEED) -> tuple[list[float], list[float]]:
-    """TTFTs of long prompts alone and with ``BACKGROUND`` short ones decoding ``decode_tokens`` each."""
+def measure(base_url: str, decode_tokens: int, pairs: int = PAIRS,
+            seed: int = SEED) -> tuple[list[float], list[float], list[float]]:
+    """Times alone, back to back and beside ``BACKGROUND`` short prompts decoding ``decode_tokens`` each."""
     import openai
 
-    async def run() -> tuple[list[float], list[float]]:
+    async def run() -> tuple[list[float], list[float], list[float]]:
         rng = random.Random(seed)
 
         def prompt(tokens: int) -> list[int]:
@@ -75,8 +102,8 @@ def measure(base_url: str, decode_tokens: int, pairs: int = PAIRS, seed: int = S
                                       timeout=600) as client:
             model = (await client.models.list()).data[0].id
 
-            async def ttft(tokens: int, max_tokens: int, decoding: asyncio.Event | None = None) -> float:
-                started = time.monotonic()
+            async def first_token(tokens: int, max_tokens: int, decoding: asyncio.Event | None = None) -> float:
+                """When the first token came (monotonic clock)."""
                 first = None
                 try:
                     stream = await client.completions.create(model=model, prompt=prompt(tokens), max_tokens=max_tokens,
@@ -84,26 +111,44 @@ def measure(base_url: str, decode_tokens: int, pairs: int = PAIRS, seed: int = S
                                                              extra_body={"ignore_eos": True})
                     async for _ in stream:
                         if first is None:
-                            first = time.monotonic() - started
+                            first = time.monotonic()
                             if decoding is not None:
                                 decoding.set()
                 finally:
                     if decoding is not None:
                         decoding.set()
-                return first if first is not None else time.monotonic() - started
+                return first if first is not None else time.monotonic()
 
-            alone, busy = [], []
-            for _ in range(pairs):
-                alone.append(await ttft(PROMPT_TOKENS, 1))
+            async def ttft(tokens: int, max_tokens: int = 1) -> float:
+                sent = time.monotonic()
+                return await first_token(tokens, max_tokens) - sent
+
+            async def behind() -> float:
+                sent = time.monotonic()
+                first = asyncio.create_task(first_token(PROMPT_TOKENS, 1))
+                await asyncio.sleep(BEHIND)
+                second = await first_token(PROMPT_TOKENS, 1)
+                await first
+                return second - sent
+
+            async def beside() -> float:
                 started = [asyncio.Event() for _ in range(BACKGROUND)]
-                background = [asyncio.create_task(ttft(BACKGROUND_TOKENS, decode_tokens, event)) for event in started]
+                background = [asyncio.create_task(first_token(BACKGROUND_TOKENS, decode_tokens, event))
+                              for event in started]
                 await asyncio.gather(*(event.wait() for event in started))
                 await asyncio.sleep(0)
                 for task in background:         # one that failed before its first token set its event too
                     if task.done() and task.exception() is not None:
                         raise task.exception()
-                busy.append(await ttft(PROMPT_TOKENS, 1))
+                took = await ttft(PROMPT_TOKENS)
                 await asyncio.gather(*background)
-            return alone, busy
+                return took
+
+            alone, behinds, besides = [], [], []
+            for _ in range(pairs):
+                alone.append(await ttft(PROMPT_TOKENS))
+                behinds.append(await behind())
+                besides.append(await beside())
+            return alone, behinds, besides
 
     return asyncio.run(run())

@@ -27,11 +27,12 @@ need on a small machine). Steps:
    the knee moves mean TTFT by more than its tolerance. The factor on the PrfaaS instance's latency
    curve at which the simulator, replaying those requests, gives their offloaded requests' measured
    mean TTFT is applied from then on, and the knee predicted again with it: the loads below are shares
-   of that knee. Both knees and the factor are printed. Before that factor is fitted, pairs of long
-   prompts sent alone and while short ones decode on ``decode-0`` measure how much the colocated
-   worker's decoding slows the PrfaaS prefill (``_interference.py``: the engines share the host's
-   memory system, and a CPU decode step streams the whole model); the simulator slows the PrfaaS
-   instance by it while its colocated worker decodes (``simulation.colocated_interference``), and the
+   of that knee. Both knees and the factor are printed. Before that factor is fitted, long prompts
+   sent alone, back to back, and beside short ones decoding on ``decode-0`` measure what slows the
+   PrfaaS prefill beyond its profile (``_interference.py``): the CPU its KV sender takes from the
+   engine's core (a prefill that starts as the previous one's KV leaves computes beside the sender),
+   and the colocated worker's decoding (the engines share the host's memory system). The simulator
+   charges both (``simulation.send_cpu_ms_per_mib``, ``simulation.colocated_interference``), and the
    knee becomes the rate at which the capacity simulated at that rate equals it.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
@@ -229,13 +230,15 @@ def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), s
 
 def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
     """The simulator's capacity (utilization law over its resources) for the workload's distribution,
-    engines on cores of their own. With interference the PrfaaS prefill's busy time grows with how much
-    the colocated worker decodes, so with the rate: the knee is then the rate at which the capacity
-    simulated at that rate equals it, found by damped steps from the capacity at a light rate."""
+    engines on cores of their own. With interference the PrfaaS prefill's busy time grows with the rate
+    (the sender's CPU comes out of its compute when prefills queue; the colocated worker decodes more):
+    the knee is then the rate at which the capacity simulated at that rate equals it, found by damped
+    steps from the capacity at a light rate."""
     from services.simulator.engine import simulate
 
     knee = simulate(run_spec(inputs, rtt_ms, 0.2, KNEE_REQUESTS, seed=seed)).capacity()
-    if not (inputs.simulation or {}).get("colocated_interference"):
+    simulation = inputs.simulation or {}
+    if not (simulation.get("colocated_interference") or simulation.get("send_cpu_ms_per_mib")):
         return knee
     for _ in range(KNEE_ITERATIONS):
         again = simulate(run_spec(inputs, rtt_ms, knee, KNEE_REQUESTS, seed=seed)).capacity()
@@ -245,13 +248,15 @@ def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
     return knee
 
 
-def with_interference(inputs, interference: float):
-    """``inputs`` whose simulation slows the PrfaaS prefill while the colocated worker decodes."""
-    return replace(inputs, simulation={**(inputs.simulation or {}), "colocated_interference": interference})
+def with_interference(inputs, measured: _interference.Interference):
+    """``inputs`` whose simulation charges the PrfaaS prefill its KV sender's CPU and slows it while the
+    colocated worker decodes, as measured."""
+    return replace(inputs, simulation={**(inputs.simulation or {}), "send_cpu_ms_per_mib": measured.send_cpu_ms_per_mib,
+                                       "colocated_interference": measured.colocated})
 
 
 def interference(deployment: Deployment, inputs, rtt_ms: float, pairs: int) -> _interference.Interference:
-    """The PrfaaS prefill worker's slowdown while the colocated worker decodes, measured on the deployment
+    """What slows the PrfaaS prefill worker beyond its profile, measured on the deployment
     (``_interference``): the KV transfer and decode steps it subtracts come from the profile and the link."""
     import math
 
@@ -259,13 +264,14 @@ def interference(deployment: Deployment, inputs, rtt_ms: float, pairs: int) -> _
 
     spec = run_spec(inputs, rtt_ms, 0.2, 1)
     topo, tokens = spec.topology, _interference.PROMPT_TOKENS
-    transfer = topo.prfaas_kv_bytes(tokens) / spec.runtime.link_bytes_per_s(topo.link_gbps)
+    kv_bytes = topo.prfaas_kv_bytes(tokens)
+    transfer = kv_bytes / spec.runtime.link_bytes_per_s(topo.link_gbps)
     curve = inputs.simulation["decode_step_s_by_batch"]
     step = PiecewiseLinear(tuple(float(b) for b, _ in curve), tuple(float(t) for _, t in curve))
     alone = topo.prfaas_latency(tokens) + transfer + step(1)
     decode_tokens = math.ceil(_interference.OUTLAST * alone / step(_interference.BACKGROUND))
-    alone_s, busy_s = _interference.measure(deployment.base_url, decode_tokens, pairs)
-    return _interference.fit(alone_s, busy_s, transfer, step)
+    return _interference.fit(*_interference.measure(deployment.base_url, decode_tokens, pairs), transfer, kv_bytes,
+                             step)
 
 
 def predict(inputs, rtt_ms: float, replay, host_cpu_s: float) -> tuple[dict, PerRequest]:
@@ -417,8 +423,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "engines' cores spend outside the engines (default: 30, or long enough for the higher one "
                         f"to send {CALIBRATION_REQUESTS} requests on a machine where the knee is low)")
     parser.add_argument("--interference-pairs", type=int, default=_interference.PAIRS,
-                        help="pairs of long prompts, alone and while the colocated worker decodes, that measure how "
-                        "much its decoding slows the PrfaaS prefill (the median is used; default: %(default)s)")
+                        help="rounds of long prompts alone, back to back and beside decoding requests that measure "
+                        "what slows the PrfaaS prefill beyond its profile (its KV sender's CPU, the colocated worker's "
+                        "decoding; the medians are used; default: %(default)s)")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip added by a userspace delay line (default: 0, a veth pair with only "
                         "the cap: the delay line's packet copying takes CPU the engines need on a small machine)")
@@ -485,12 +492,11 @@ def main(argv=None) -> int:
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
                   f"{first.describe()}", flush=True)
-            print("sim_vs_real: measuring how much the colocated worker's decoding slows the PrfaaS prefill ...",
-                  flush=True)
+            print("sim_vs_real: measuring what slows the PrfaaS prefill worker: its KV sender, the colocated "
+                  "worker's decoding ...", flush=True)
             slowdown = interference(deployment, inputs, args.rtt_ms, args.interference_pairs)
-            print(f"sim_vs_real: while the colocated worker decodes the PrfaaS prefill worker computes "
-                  f"1 / (1 + x) as fast, x = {slowdown.describe()}", flush=True)
-            inputs = with_interference(inputs, slowdown.value)
+            print(f"sim_vs_real: {slowdown.describe()}", flush=True)
+            inputs = with_interference(inputs, slowdown)
             speed = prfaas_speed(inputs, args.rtt_ms, samples, first.cpu_s)
             inputs = _prfaas_speed.with_factor(inputs, speed.factor)
             knee = predicted_knee(inputs, args.rtt_ms, args.seed)

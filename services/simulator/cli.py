@@ -118,6 +118,10 @@ def _add_runtime_arguments(parser) -> None:
                        help="with --local-both on the PrfaaS engines' host (CPU engines sharing one memory system): "
                        "while a share s of the colocated workers decode, the PrfaaS prefill computes at 1 / (1 + X s) "
                        f"of the profile's speed; 0: hosts of their own (default: {default.colocated_interference:g})")
+    group.add_argument("--send-cpu-ms-per-mib", type=float, metavar="MS",
+                       help="CPU a PrfaaS prefill instance spends sending a MiB of KV, taken from its compute when a "
+                       "prefill starts beside the send (sender threads on the engine's own cores); 0: the sender has "
+                       f"cores of its own (default: {default.send_cpu_ms_per_mib:g})")
     group.add_argument("--admission", action=argparse.BooleanOptionalAction, default=None,
                        help="the router's admission control judges each routed request (capacity and, with "
                        "--admission-ttft-slo, the predicted TTFT); rejected requests are counted and enter no "
@@ -132,8 +136,8 @@ def _add_runtime_arguments(parser) -> None:
 
 
 RUNTIME_FLAGS = ("chunk_tokens", "link_rtt_ms", "connections", "connection_window_bytes", "layerwise",
-                 "pool_load_gbps", "per_instance", "local_both", "colocated_interference", "admission", "max_in_flight",
-                 "admission_ttft_slo_s")
+                 "pool_load_gbps", "per_instance", "local_both", "colocated_interference", "send_cpu_ms_per_mib",
+                 "admission", "max_in_flight", "admission_ttft_slo_s")
 
 
 def _runtime(args, inputs):

@@ -44,7 +44,7 @@ from services.simulator.link import Link
 from services.simulator.observe import observe
 from services.simulator.prefill import PrefillCluster
 from services.simulator.results import SimResult, result_of
-from services.simulator.runtime import exposed_transfer_s
+from services.simulator.runtime import MIB, exposed_transfer_s
 from services.simulator.setup import RunSpec, colocated, contended, deployment_views
 
 (PREFILL_PRFAAS, PREFILL_LOCAL, LINK, DECODE, BANDWIDTH, LOADED_PRFAAS, LOADED_LOCAL, KV_ARRIVED, BOTH_STEP,
@@ -128,6 +128,9 @@ class _Simulation:
         self._start_instances()
         if runtime.colocated_interference:
             self._interfere(runtime.colocated_interference)
+        self.send_cpu_s_per_byte = runtime.send_cpu_ms_per_mib / 1000 / MIB
+        if self.send_cpu_s_per_byte:
+            self.prfaas.slowable()
         self.local.finished = self.decode.submit
         gbps = bandwidth_at(spec.bandwidth_trace, 0.0, topo.link_gbps)
         self.link = Link(runtime, topo.link_gbps, gbps, LINK, self.heap, self.kv, n)
@@ -135,7 +138,7 @@ class _Simulation:
         self.link.sent = self._on_link_sent if self.layerwise or self.one_way else self.decode.submit
         self.prfaas.finished = self._on_prfaas_prefilled
         if self.layerwise:
-            self.prfaas.started = self.link.submit
+            self.prfaas.started = self._send
         self.admission = SimAdmission(runtime, (topo.num_decode + topo.num_both) * topo.max_batch_size, n) \
             if runtime.admission else None
         self.finish = array("d", bytes(8 * n)) if self.router is not None else None
@@ -303,9 +306,15 @@ class _Simulation:
 
     # Events off the heap -------------------------------------------------------------------------
 
+    def _send(self, now: float, rid: int) -> None:
+        """``rid``'s KV starts for the link; its prefill instance's cores pay its sender's CPU."""
+        if self.send_cpu_s_per_byte:
+            self.prfaas.owe(now, rid, self.kv[rid] * self.send_cpu_s_per_byte)
+        self.link.submit(now, rid)
+
     def _on_prfaas_prefilled(self, now: float, rid: int) -> None:
         if not self.layerwise:
-            self.link.submit(now, rid)
+            self._send(now, rid)
             return
         self.state[rid] |= PREFILLED
         if self.state[rid] & SENT:

@@ -79,6 +79,10 @@ class PrefillInstances:
         for member in self.members:
             member.slowable()
 
+    def owe(self, now: float, rid: int, cpu_s: float) -> None:
+        """``rid``'s prefill instance owes ``cpu_s`` to its KV sender (:meth:`PrefillCluster.owe`)."""
+        self.members[self.dest[rid]].owe(now, rid, cpu_s)
+
     def set_speed(self, now: float, speed: float) -> None:
         """Every instance computes at ``speed`` of the profile's speed from ``now`` on."""
         for member in self.members:

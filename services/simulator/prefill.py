@@ -18,11 +18,14 @@ When a request's turn comes its load starts and the instance takes the next requ
 the request goes back to the head of the queue (vLLM leaves a request waiting for remote KV in its
 place).
 
-Slowed (:meth:`PrefillCluster.slowable`, then :meth:`PrefillCluster.set_speed`): the instance computes at
-a share of the profile's speed that changes while its work runs (an engine sharing its host's memory
-with engines that decode: ``RuntimeModel.colocated_interference``). Each prefill or step in flight
-keeps its work in the profile's seconds; a change of speed moves its end, and ``slowed_s`` sums the
-seconds it ran beyond that work.
+Slowed (:meth:`PrefillCluster.slowable`, then :meth:`PrefillCluster.set_speed` and
+:meth:`PrefillCluster.owe`): the instance computes at a share of the profile's speed that changes while
+its work runs (an engine sharing its host's memory with engines that decode:
+``RuntimeModel.colocated_interference``), and its cores owe CPU to its KV sender
+(``RuntimeModel.send_cpu_ms_per_mib``): a prefill (step) that starts as a transfer starts takes that
+much longer; an idle instance pays from its idle time, and what is left when its next prefill starts
+makes that one longer. Each prefill or step in flight keeps its work in the profile's seconds; a change
+of speed or a debt moves its end, and ``slowed_s`` sums the seconds it ran beyond that work.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class PrefillCluster:
         self.speed = 1.0
         self.in_flight: dict[int, tuple[float, float, float]] | None = None   # key: (end, start, work s)
         self.slowed_s = 0.0
+        self.debt_s = self.debt_at = 0.0
 
     def slowable(self) -> None:
         """Track the prefills (steps) in flight, so that :meth:`set_speed` can move their ends."""
@@ -85,11 +89,29 @@ class PrefillCluster:
             heapq.heappush(self.heap, (end, self.kind, key))
         self.speed = speed
 
+    def owe(self, now: float, rid: int, cpu_s: float) -> None:
+        """The instance's cores owe ``cpu_s`` seconds of CPU to its sender of ``rid``'s KV, whose transfer
+        starts ``now``: the prefill (step) started now ends that much later; with none, the instance pays
+        from its idle time and the rest lengthens its next one."""
+        in_flight = self.in_flight
+        if in_flight is None:
+            raise RuntimeError("owe needs slowable() first")
+        for key, (end, start, work) in in_flight.items():
+            if start == now:
+                in_flight[key] = (end + cpu_s, start, work)
+                heapq.heappush(self.heap, (end + cpu_s, self.kind, key))
+                return
+        self.debt_s = max(0.0, self.debt_s - (now - self.debt_at)) + cpu_s
+        self.debt_at = now
+
     def _push(self, now: float, work: float, key: int) -> None:
         if self.in_flight is None:
             heapq.heappush(self.heap, (now + work, self.kind, key))
             return
         end = now + work / self.speed
+        if self.debt_s:
+            end += max(0.0, self.debt_s - (now - self.debt_at))
+            self.debt_s = 0.0
         self.in_flight[key] = (end, now, work)
         heapq.heappush(self.heap, (end, self.kind, key))
 

@@ -36,6 +36,11 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   steps that advance decodes, the PrfaaS prefill instances compute at ``1 / (1 + this * s)`` of the
   profile's speed (a prefill in flight slows and speeds up as s changes). 0: engines on hosts of their
   own (GPU deployments). ``bench/sim_vs_real.py`` measures it on its host.
+- ``send_cpu_ms_per_mib``: the CPU a PrfaaS prefill instance spends sending a MiB of KV (its sender
+  threads and the kernel's TCP work on the engine's own cores). It comes out of the instance's compute:
+  a prefill that starts as a transfer starts (the next in its queue) takes that much longer; an idle
+  instance pays it from its idle time. 0: the sender has cores of its own (GPU deployments).
+  ``bench/sim_vs_real.py`` measures it on its host.
 - ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
   increasing: a colocated worker's decode step time by the number decoding (the profile's decode
   points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every
@@ -78,6 +83,7 @@ class RuntimeModel:
     host_cores: int = 0
     decode_step_s_by_batch: tuple[tuple[float, float], ...] = ()
     colocated_interference: float = 0.0
+    send_cpu_ms_per_mib: float = 0.0
     admission: bool = False
     max_in_flight: int = 0
     admission_ttft_slo_s: float = 0.0
@@ -94,6 +100,8 @@ class RuntimeModel:
                   ("host_cores", self.host_cores >= 0, "must be 0 (unknown: no contention) or positive"),
                   ("colocated_interference", self.colocated_interference >= 0,
                    "must be 0 (engines on hosts of their own) or positive"),
+                  ("send_cpu_ms_per_mib", self.send_cpu_ms_per_mib >= 0,
+                   "must be 0 (the sender has cores of its own) or positive"),
                   ("max_in_flight", self.max_in_flight >= 0, "must be 0 (max_batch_size per instance) or positive"),
                   ("admission_ttft_slo_s", self.admission_ttft_slo_s >= 0, "must be 0 (no SLO) or positive")]
         curve = self.decode_step_s_by_batch

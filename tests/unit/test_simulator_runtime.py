@@ -167,7 +167,7 @@ def test_simulation_section_and_flags(tmp_path):
         "chunk_tokens": 8192, "link_rtt_ms": 5.0, "connections": 8, "connection_window_bytes": 3 * MIB,
         "layerwise": True, "pool_load_gbps": 100.0, "per_instance": False, "local_both": 4,
         "host_cpu_s_per_request": 0.0, "host_cores": 0, "decode_step_s_by_batch": [], "colocated_interference": 0.0,
-        "admission": True,
+        "send_cpu_ms_per_mib": 0.0, "admission": True,
         "max_in_flight": 0, "admission_ttft_slo_s": 0.0}
     bad = run_cli(config, "--connections", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("prfaas simulate: error: --connections: must be at least 1")

@@ -48,6 +48,27 @@ MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class SenderCpu:
+    """A worker's KV sender as its telemetry counts it (``prfaas_kv_link_send_cpu_seconds``): the CPU its
+    I/O threads used, kernel work included, and the bytes they sent, summed over its links."""
+
+    cpu_s: float
+    bytes_sent: int
+
+    @classmethod
+    def of(cls, stats) -> "SenderCpu":
+        """From a worker's ``GetStats`` answer."""
+        links = stats.kv_links
+        return cls(sum(link.send_cpu_seconds for link in links), sum(link.bytes_sent for link in links))
+
+    def ms_per_mib_since(self, before: "SenderCpu") -> float | None:
+        """Its CPU per MiB sent since ``before``; None with nothing sent (or a counter that went back: the
+        worker restarted)."""
+        sent, cpu = self.bytes_sent - before.bytes_sent, self.cpu_s - before.cpu_s
+        return cpu * 1000 / (sent / MIB) if sent > 0 and cpu >= 0 else None
+
+
+@dataclass(frozen=True, slots=True)
 class Interference:
     send_cpu_ms_per_mib: float
     colocated: float                # colocated_interference

@@ -487,7 +487,13 @@ def main(argv=None) -> int:
             print(f"sim_vs_real: calibrating at {rates[0]:.2f} and {rates[1]:.2f} req/s, {seconds:.0f} s each, after "
                   f"{WARMUP_SECONDS} s unmeasured ...",
                   flush=True)
+            sender_before = _interference.SenderCpu.of(deployment.worker_stats("prefill-0"))
             loads, samples = calibrate(deployment, rates, seconds, args.seed, args.out)
+            time.sleep(1.0)  # the connector publishes its telemetry every quarter second
+            sender_ms = _interference.SenderCpu.of(deployment.worker_stats("prefill-0")).ms_per_mib_since(sender_before)
+            print(f"sim_vs_real: prefill-0's KV sender threads used "
+                  f"{'no reading' if sender_ms is None else f'{sender_ms:.2f} ms'} of CPU per MiB sent over the "
+                  "calibration loads (its telemetry)", flush=True)
             first = _host_cpu.fit(loads)
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
@@ -517,7 +523,7 @@ def main(argv=None) -> int:
     worst, failures = compare(rows)
     (args.out / "sim_vs_real.json").write_text(json.dumps(
         {"knee_req_s": knee, "profiled_knee_req_s": profiled_knee, "prfaas_speed": asdict(speed),
-         "interference": asdict(slowdown),
+         "interference": asdict(slowdown), "sender_threads_cpu_ms_per_mib": sender_ms,
          "targets": TARGETS, "host_cpu_s_per_request": host_cpu.cpu_s,
          "host_cpu_calibration": asdict(first), "host_cpu_fit": asdict(host_cpu),
          "runtime": str(runtime_model(inputs, args.rtt_ms, host_cpu.cpu_s)), "rows": rows},

@@ -377,6 +377,7 @@ class PeerLink:
         assert item is not None, "a connection finishes only a frame it holds"
         conn.used_at = time.monotonic()
         self.telemetry.on_sent(conn.conn_id, conn.size)
+        self.telemetry.cpu_s = time.thread_time()
         if conn.clock.due():
             info = tcp_info(conn.connected)
             self.telemetry.on_sample(conn.conn_id, info)

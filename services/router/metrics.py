@@ -165,6 +165,9 @@ class RouterMetrics:
                                    ("worker", "peer"))
     kv_link_bytes = Metric(Gauge, "prfaas_kv_link_sent_bytes",
                            "Bytes a worker has sent to a KV peer.", ("worker", "peer"))
+    kv_link_send_cpu = Metric(Gauge, "prfaas_kv_link_send_cpu_seconds",
+                              "CPU seconds a worker's KV sender to a peer has used (I/O thread, kernel work included).",
+                              ("worker", "peer"))
     kv_link_failures = Metric(Gauge, "prfaas_kv_link_failed_transfers",
                               "KV transfers to a peer that failed.", ("worker", "peer"))
     kv_received_bytes = Metric(Gauge, "prfaas_kv_received_bytes", "Bytes of KV a worker has received.", ("worker",))
@@ -191,6 +194,7 @@ class RouterMetrics:
             self.kv_link_cwnd.labels(*labels).set(link.cwnd_segments)
             self.kv_link_delivery_rate.labels(*labels).set(link.delivery_rate_bps)
             self.kv_link_bytes.labels(*labels).set(link.bytes_sent)
+            self.kv_link_send_cpu.labels(*labels).set(link.send_cpu_s)
             self.kv_link_failures.labels(*labels).set(link.transfers_failed)
         self.kv_received_bytes.labels(worker).set(stats.kv_bytes_received)
         self.kv_rejected.labels(worker).set(stats.kv_frames_rejected + stats.kv_connections_refused)

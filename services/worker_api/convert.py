@@ -113,14 +113,15 @@ def _link_to_proto(peer: PeerSnapshot) -> pb.KvLinkStats:
     return pb.KvLinkStats(peer=peer.peer, connections=peer.connections, bytes_sent=peer.bytes_sent,
                           transfers_sent=peer.transfers_sent, transfers_failed=peer.transfers_failed,
                           goodput_bps=peer.goodput_bps, retransmits=peer.retransmits, rtt_ms=peer.rtt_us / 1000,
-                          cwnd_segments=peer.cwnd_segments, delivery_rate_bps=peer.delivery_rate_bps)
+                          cwnd_segments=peer.cwnd_segments, delivery_rate_bps=peer.delivery_rate_bps,
+                          send_cpu_seconds=peer.cpu_s)
 
 
 def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
     """A worker's ``GetStats`` answer as the router keeps it."""
     links = tuple(LinkStats(link.peer, link.connections, link.bytes_sent, link.transfers_sent, link.transfers_failed,
                             link.goodput_bps, link.retransmits, link.rtt_ms, link.cwnd_segments,
-                            link.delivery_rate_bps) for link in msg.kv_links)
+                            link.delivery_rate_bps, link.send_cpu_seconds) for link in msg.kv_links)
     return WorkerStats(
         worker_name=msg.worker_name, service=msg.service, role=msg.role, model=msg.model,
         max_model_len=msg.max_model_len, num_running_requests=msg.num_running_requests,

@@ -71,6 +71,7 @@ class LinkStats:
     rtt_ms: float = 0.0
     cwnd_segments: int = 0
     delivery_rate_bps: float = 0.0
+    send_cpu_s: float = 0.0   # the sender's I/O thread's CPU time so far
 
 
 @dataclass(frozen=True, slots=True)

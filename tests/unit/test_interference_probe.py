@@ -35,3 +35,16 @@ def test_negative_medians_are_noise_and_count_as_none():
     assert got.send_samples[0] < 0 and got.colocated_samples[0] < 0
     assert (got.send_cpu_ms_per_mib, got.colocated) == (0.0, 0.0)
     assert got.describe().endswith("the sender's CPU below 0 (noise): 0; x below 0 (noise): 0")
+
+
+def test_the_sender_threads_cpu_per_mib_from_two_stats_readings():
+    from types import SimpleNamespace
+
+    def stats(*links):
+        return SimpleNamespace(kv_links=[SimpleNamespace(send_cpu_seconds=cpu, bytes_sent=sent) for cpu, sent in links])
+
+    before = probe.SenderCpu.of(stats((1.0, 10 * MIB), (0.5, 0)))
+    after = probe.SenderCpu.of(stats((1.2, 60 * MIB), (0.55, 50 * MIB)))   # 0.25 s over 100 MiB, both links
+    assert after.ms_per_mib_since(before) == pytest.approx(2.5)
+    assert before.ms_per_mib_since(before) is None                        # nothing sent
+    assert probe.SenderCpu(0.1, 20 * MIB).ms_per_mib_since(before) is None  # counters went back: a restart

@@ -96,6 +96,22 @@ def test_telemetry_samples_tcp_info(pair):
     assert link.rtt_us > 0 and link.cwnd_segments > 0 and link.goodput_bps > 0
 
 
+def test_telemetry_counts_the_senders_cpu(pair):
+    """The I/O thread's own CPU time: more than nothing for 4 MiB written, and far less than the wall
+    time of the whole test process (the sending thread is not the one that counted)."""
+    rx, tx, peer = pair()
+    wall, process = time.monotonic(), time.process_time()
+    tx.send(peer, "t-cpu", 0, 0, 0, 64, os.urandom(64 << 16))
+    tx.finish(peer, "t-cpu")
+    assert isinstance(collect(rx, "t-cpu")[1], TransferDone)
+    cpu = tx.snapshot().peers[0].cpu_s
+    assert 0 < cpu <= time.process_time() - process + 0.05 and cpu < time.monotonic() - wall + 0.05
+    tx.send(peer, "t-cpu2", 0, 0, 0, 64, os.urandom(64 << 16))
+    tx.finish(peer, "t-cpu2")
+    assert isinstance(collect(rx, "t-cpu2")[1], TransferDone)
+    assert tx.snapshot().peers[0].cpu_s > cpu      # cumulative
+
+
 def test_an_idle_connections_rtt_goes_stale(monkeypatch):
     """A connection that stopped sending keeps the RTT it had (a squeezed link's full queue): the
     snapshot reads RTT only from connections that heard an ACK in the last RTT_FRESH_S."""

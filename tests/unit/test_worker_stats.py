@@ -13,7 +13,7 @@ from services.kv_transport import PROTOCOL_VERSION, PeerSnapshot, TransportSnaps
 SNAPSHOT = ConnectorSnapshot(
     TransportSnapshot(peers=(PeerSnapshot("10.0.0.2:7000", connections=4, bytes_sent=4096, frames_sent=8,
                                           transfers_sent=2, transfers_failed=1, goodput_bps=2.5e9, retransmits=3,
-                                          delivery_rate_bps=9_000_000_000, rtt_us=1500, cwnd_segments=40),),
+                                          delivery_rate_bps=9_000_000_000, rtt_us=1500, cwnd_segments=40, cpu_s=0.75),),
                       bytes_received=100, frames_rejected=2, connections_refused=1),
     PoolCounters(tokens_loaded=64, tokens_stored=128, loads_failed=1, stores_failed=2))
 
@@ -22,7 +22,7 @@ def test_the_stats_rpc_carries_every_transport_and_pool_figure():
     stats = convert.stats_from_proto(convert.stats_to_proto(EngineStats(kv_connector=SNAPSHOT), worker_name="w"))
     assert stats.kv_links == (LinkStats("10.0.0.2:7000", connections=4, bytes_sent=4096, transfers_sent=2,
                                         transfers_failed=1, goodput_bps=2.5e9, retransmits=3, rtt_ms=1.5,
-                                        cwnd_segments=40, delivery_rate_bps=9e9),)
+                                        cwnd_segments=40, delivery_rate_bps=9e9, send_cpu_s=0.75),)
     assert (stats.kv_bytes_received, stats.kv_frames_rejected, stats.kv_connections_refused) == (100, 2, 1)
     assert (stats.kv_pool_tokens_loaded, stats.kv_pool_tokens_stored, stats.kv_pool_loads_failed,
             stats.kv_pool_stores_failed) == (64, 128, 1, 2)

@@ -154,7 +154,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ..., grpc_rejected: _Optional[_Mapping[str, int]] = ..., layout_spec: _Optional[bytes] = ..., kv_protocol_version: _Optional[int] = ..., kv_transfers_receiving: _Optional[int] = ..., kv_transfers_sending: _Optional[int] = ...) -> None: ...
 
 class KvLinkStats(_message.Message):
-    __slots__ = ("peer", "connections", "bytes_sent", "transfers_sent", "transfers_failed", "goodput_bps", "retransmits", "rtt_ms", "cwnd_segments", "delivery_rate_bps")
+    __slots__ = ("peer", "connections", "bytes_sent", "transfers_sent", "transfers_failed", "goodput_bps", "retransmits", "rtt_ms", "cwnd_segments", "delivery_rate_bps", "send_cpu_seconds")
     PEER_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class KvLinkStats(_message.Message):
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     CWND_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_RATE_BPS_FIELD_NUMBER: _ClassVar[int]
+    SEND_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer: str
     connections: int
     bytes_sent: int
@@ -175,4 +176,5 @@ class KvLinkStats(_message.Message):
     rtt_ms: float
     cwnd_segments: int
     delivery_rate_bps: float
-    def __init__(self, peer: _Optional[str] = ..., connections: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfers_sent: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., goodput_bps: _Optional[float] = ..., retransmits: _Optional[int] = ..., rtt_ms: _Optional[float] = ..., cwnd_segments: _Optional[int] = ..., delivery_rate_bps: _Optional[float] = ...) -> None: ...
+    send_cpu_seconds: float
+    def __init__(self, peer: _Optional[str] = ..., connections: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfers_sent: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., goodput_bps: _Optional[float] = ..., retransmits: _Optional[int] = ..., rtt_ms: _Optional[float] = ..., cwnd_segments: _Optional[int] = ..., delivery_rate_bps: _Optional[float] = ..., send_cpu_seconds: _Optional[float] = ...) -> None: ...

@@ -33,7 +33,10 @@ need on a small machine). Steps:
    engine's core (a prefill that starts as the previous one's KV leaves computes beside the sender),
    and the colocated worker's decoding (the engines share the host's memory system). The simulator
    charges both (``simulation.send_cpu_ms_per_mib``, ``simulation.colocated_interference``), and the
-   knee becomes the rate at which the capacity simulated at that rate equals it.
+   knee becomes the rate at which the capacity simulated at that rate equals it. Beside that, ``prefill-0``'s
+   telemetry (``prfaas_kv_link_send_cpu_seconds``) gives the CPU its KV sender threads themselves used per
+   MiB over the calibration loads, printed and recorded (``sender_threads_cpu_ms_per_mib``): the part of
+   the back-to-back charge that is the sender's own work.
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the

@@ -36,11 +36,13 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   steps that advance decodes, the PrfaaS prefill instances compute at ``1 / (1 + this * s)`` of the
   profile's speed (a prefill in flight slows and speeds up as s changes). 0: engines on hosts of their
   own (GPU deployments). ``bench/sim_vs_real.py`` measures it on its host.
-- ``send_cpu_ms_per_mib``: the CPU a PrfaaS prefill instance spends sending a MiB of KV (its sender
-  threads and the kernel's TCP work on the engine's own cores). It comes out of the instance's compute:
+- ``send_cpu_ms_per_mib``: what a PrfaaS prefill instance loses per MiB of KV it sends, out of its compute:
   a prefill that starts as a transfer starts (the next in its queue) takes that much longer; an idle
   instance pays it from its idle time. 0: the sender has cores of its own (GPU deployments).
-  ``bench/sim_vs_real.py`` measures it on its host.
+  ``bench/sim_vs_real.py`` measures it on its host from prompts sent back to back; that covers the
+  sender threads' own CPU (``prfaas_kv_link_send_cpu_seconds``: under 1 ms per MiB on the embedded
+  default) and whatever else a prefill that starts as the previous KV leaves pays (several ms per MiB
+  there, not yet explained).
 - ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
   increasing: a colocated worker's decode step time by the number decoding (the profile's decode
   points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every

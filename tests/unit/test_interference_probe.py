@@ -26,7 +26,7 @@ def test_the_sender_cpu_and_the_decoding_slowdown_from_the_measured_times():
     assert got.colocated_samples == pytest.approx((0.1, 0.2, 0.0))
     assert got.colocated == pytest.approx(0.1) and got.note == ""
     text = got.describe()
-    assert "takes 10.0 ms of the PrfaaS prefill's CPU per MiB sent (per pair 10.0, 5.0, 20.0" in text
+    assert "loses 10.0 ms per MiB of it (per pair 10.0, 5.0, 20.0" in text
     assert "slows it by x = 0.100 (per pair +0.100, +0.200, +0.000" in text
 
 

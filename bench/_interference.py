@@ -29,8 +29,10 @@ Each figure is the median over the pairs; every prompt is new (random token ids)
 
 The back-to-back figure is what the second prefill loses while the first's KV leaves, per MiB of it. The
 sender threads' own CPU is a small part of it: ``prefill-0``'s telemetry read 0.62 ms per MiB (float32) and
-0.67 (bfloat16) over calibration loads, where back to back read 7.6 and 0.2 in the same runs. What else the
-second pays is not yet explained; the simulator charges the whole figure.
+0.67 (bfloat16) over calibration loads, where back to back read 7.6 and 0.2 in the same runs. The rest is the
+X the formula adds back: on this deployment the KV leaves layer by layer during the prefill (received
+within milliseconds of the Prefill RPC's end), so ``F - 2A`` alone reads about 0, and the figure stands in
+for the transfer that ``layerwise: false`` wrongly frees the instance of (docs/capacity-planning.md).
 """
 from __future__ import annotations
 

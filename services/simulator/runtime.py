@@ -41,8 +41,8 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   instance pays it from its idle time. 0: the sender has cores of its own (GPU deployments).
   ``bench/sim_vs_real.py`` measures it on its host from prompts sent back to back; that covers the
   sender threads' own CPU (``prfaas_kv_link_send_cpu_seconds``: under 1 ms per MiB on the embedded
-  default) and whatever else a prefill that starts as the previous KV leaves pays (several ms per MiB
-  there, not yet explained).
+  default) and, there, a stand-in for the transfer time that simulating its layer-wise send as
+  ``layerwise: false`` leaves out of the instance's busy time (docs/capacity-planning.md).
 - ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
   increasing: a colocated worker's decode step time by the number decoding (the profile's decode
   points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every

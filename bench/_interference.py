@@ -1,38 +1,37 @@
 """What slows the PrfaaS prefill worker in the running deployment beyond its profile, for
-bench/sim_vs_real.py: what a prefill loses while the previous request's KV leaves (the simulator's
-``send_cpu_ms_per_mib``) and the colocated
-worker's decoding (``colocated_interference``).
+bench/sim_vs_real.py: the colocated worker's decoding (the simulator's ``colocated_interference``), and a
+check of the transfer model the benchmark simulates with (``layerwise: true``): that a prefill queued
+behind another costs what one alone does.
 
 On this machine ``prefill-0``'s engine and its KV sender threads share one core, and ``decode-0`` runs
-on the other core of the same host. Replayed from five saved full runs (float32 and bfloat16), a
-prefill that started right as the one before it finished (its KV leaving) took a median 8-20% longer
-than one that started on an idle worker. And a CPU decode step streams the model's weights from the
-memory the prefill beside it shares: in isolation, a float32 prefill-sized matmul loop on one core ran
-8.5% slower while the other core ran decode-sized ones. The light calibration loads see little of
-either (requests seldom queue, the colocated worker is mostly idle), and near the knee the simulator
-came out too fast with float32 engines (mean TTFT -12% and -29% at 0.7x in two full runs).
+on the other core of the same host. A CPU decode step streams the model's weights from the memory the
+prefill beside it shares: in isolation, a float32 prefill-sized matmul loop on one core ran 8.5% slower
+while the other core ran decode-sized ones. The light calibration loads see little of it (the colocated
+worker is mostly idle), and near the knee the simulator came out too fast with float32 engines without
+it (mean TTFT -12% and -29% at 0.7x in two full runs).
 
 Measured here on the running deployment, through the router with the official client, ``pairs`` times:
 
-- alone: a long prompt (offloaded), nothing else running: TTFT A;
+- alone: a long prompt (offloaded), nothing else running: TTFT A = P + E + S(1), its prefill P, the
+  part E of its KV transfer that does not fit under the prefill (the KV leaves layer by layer while
+  later layers compute) and a decode step S(1);
 - back to back: two long prompts, the second sent ``BEHIND`` seconds after the first, so that it waits
-  for the first's prefill and computes while the first's KV leaves: the second's first token comes
-  F seconds after the first was sent. With the first's prefill and the second's alone both A less
-  the KV transfer X and a decode step S(1), what the second loses is
-  ``D = F - 2 A + X + S(1)``, and ``send_cpu_ms_per_mib`` is D over the KV's MiB;
+  for the first's prefill: the second's first token comes F = 2 P + D + E + S(1) seconds after the
+  first was sent, and ``D = F - 2 A + E + S(1)`` is what the second loses against one alone. The
+  layer-wise model says 0: the first's KV has left by the time its prefill ends, and each prefill pays
+  its own sender's CPU (inside A, so inside the speed factor the benchmark fits). Per MiB of the
+  first's KV it is ``behind_ms_per_mib``, printed and recorded, not charged;
 - beside decoding: a long prompt sent while ``BACKGROUND`` short prompts (local) are all decoding on
-  ``decode-0``, long enough to outlast it: TTFT B. With E the decode side's extra wait there (half the
-  step under way at the background batch, then its own step at one more, against one step alone) and
-  P = A - X - S(1) the prefill, ``colocated_interference`` is (B - A - E) / P.
+  ``decode-0``, long enough to outlast it: TTFT B. With W the decode side's extra wait there (half the
+  step under way at the background batch, then its own step at one more, against one step alone),
+  ``colocated_interference`` is (B - A - W) / P.
 
 Each figure is the median over the pairs; every prompt is new (random token ids), so no prefix is cached.
 
-The back-to-back figure is what the second prefill loses while the first's KV leaves, per MiB of it. The
-sender threads' own CPU is a small part of it: ``prefill-0``'s telemetry read 0.62 ms per MiB (float32) and
-0.67 (bfloat16) over calibration loads, where back to back read 7.6 and 0.2 in the same runs. The rest is the
-X the formula adds back: on this deployment the KV leaves layer by layer during the prefill (received
-within milliseconds of the Prefill RPC's end), so ``F - 2A`` alone reads about 0, and the figure stands in
-for the transfer that ``layerwise: false`` wrongly frees the instance of (docs/capacity-planning.md).
+History: this check once set ``send_cpu_ms_per_mib`` with the whole transfer X in place of E, under a
+``layerwise: false`` model: about X per request (7-13 ms per MiB in float32 runs, the link's 8.4), where
+``prefill-0``'s telemetry put the sender threads' own CPU at 0.62 ms per MiB. It stood in for the transfer
+that model freed the instance of early (docs/capacity-planning.md).
 """
 from __future__ import annotations
 
@@ -78,46 +77,46 @@ class SenderCpu:
 
 @dataclass(frozen=True, slots=True)
 class Interference:
-    send_cpu_ms_per_mib: float
+    behind_ms_per_mib: float        # what a prefill queued behind another loses against one alone (the model: 0)
     colocated: float                # colocated_interference
-    send_samples: tuple[float, ...]
+    behind_samples: tuple[float, ...]
     colocated_samples: tuple[float, ...]
     alone_s: tuple[float, ...]      # TTFTs alone
     behind_s: tuple[float, ...]     # the second of a back-to-back pair: its first token after the first was sent
     beside_s: tuple[float, ...]     # TTFTs beside decoding
-    transfer_s: float
+    kv_mib: float                   # one prompt's KV
+    exposed_s: float                # its transfer's part beyond the prefill, in the model
     extra_s: float                  # the decode side's extra wait beside decoding
     note: str = ""
 
     def describe(self) -> str:
         alone = statistics.median(self.alone_s)
-        return (f"a prefill that starts as the previous KV leaves loses {self.send_cpu_ms_per_mib:.1f} ms per "
-                f"MiB of it (per pair {', '.join(f'{s:.1f}' for s in self.send_samples)}; {PROMPT_TOKENS}-token "
-                f"prompts: TTFT alone "
-                f"{alone:.3f} s, of which {self.transfer_s:.3f} s the KV transfer; the second of two back to back, "
-                f"first token {statistics.median(self.behind_s):.3f} s after the first was sent); the colocated "
-                f"worker's decoding slows it by x = {self.colocated:.3f} (per pair "
+        return (f"{PROMPT_TOKENS}-token prompts ({self.kv_mib:.0f} MiB of KV): TTFT alone {alone:.3f} s, of which "
+                f"{self.exposed_s:.3f} s the transfer left after the prefill; the colocated worker's decoding slows "
+                f"the prefill by x = {self.colocated:.3f} (per pair "
                 f"{', '.join(f'{s:+.3f}' for s in self.colocated_samples)}; TTFT beside {BACKGROUND} decoding requests "
                 f"{statistics.median(self.beside_s):.3f} s, of which {self.extra_s * 1000:.0f} ms their decode steps "
-                f"add){self.note}")
+                f"add); a prefill queued behind another loses {self.behind_ms_per_mib:+.1f} ms per MiB of the "
+                f"first's KV against one alone, as layer-wise streaming says 0 (per pair "
+                f"{', '.join(f'{s:+.1f}' for s in self.behind_samples)}; the second's first token "
+                f"{statistics.median(self.behind_s):.3f} s after the first was sent; not charged){self.note}")
 
 
-def fit(alone: list[float], behind: list[float], beside: list[float], transfer_s: float, kv_bytes: float, step_s,
+def fit(alone: list[float], behind: list[float], beside: list[float], exposed_s: float, kv_bytes: float, step_s,
         background: int = BACKGROUND) -> Interference:
-    """Both figures from the measured times; ``step_s(batch)``: the profile's decode step."""
+    """Both figures from the measured times; ``exposed_s``: the part of a prompt's KV transfer the model
+    leaves after its prefill (0 when the link carries it within the prefill); ``step_s(batch)``: the
+    profile's decode step."""
     extra = 0.5 * step_s(background) + step_s(background + 1) - step_s(1)
-    prefill = [max(a - transfer_s - step_s(1), 1e-9) for a in alone]
-    send = tuple((f - 2 * a + transfer_s + step_s(1)) * 1000 / (kv_bytes / MIB) for a, f in zip(alone, behind))
+    prefill = [max(a - exposed_s - step_s(1), 1e-9) for a in alone]
+    kv_mib = kv_bytes / MIB
+    behind_samples = tuple((f - 2 * a + exposed_s + step_s(1)) * 1000 / kv_mib for a, f in zip(alone, behind))
     colocated = tuple((b - a - extra) / p for a, b, p in zip(alone, beside, prefill))
-    send_value, colocated_value, notes = statistics.median(send), statistics.median(colocated), []
-    if send_value < 0:
-        send_value = 0.0
-        notes.append("the sender's CPU below 0 (noise): 0")
+    colocated_value, note = statistics.median(colocated), ""
     if colocated_value < 0:
-        colocated_value = 0.0
-        notes.append("x below 0 (noise): 0")
-    return Interference(send_value, colocated_value, send, colocated, tuple(alone), tuple(behind), tuple(beside),
-                        transfer_s, extra, "".join(f"; {note}" for note in notes))
+        colocated_value, note = 0.0, "; x below 0 (noise): 0"
+    return Interference(statistics.median(behind_samples), colocated_value, behind_samples, colocated, tuple(alone),
+                        tuple(behind), tuple(beside), kv_mib, exposed_s, extra, note)
 
 
 def measure(base_url: str, decode_tokens: int, pairs: int = PAIRS,

@@ -11,9 +11,9 @@ need on a small machine). Steps:
    load generator sends), and the planner's inputs are built from that profile: one PrfaaS prefill
    instance and one colocated worker that decodes as many requests as vLLM schedules
    (``max_num_seqs``), each step priced by its batch (the profile's decode points at the workload's
-   mean context), the link's capacity and round trip, the engine's token budget, the KV sent after
-   the prefill (what this CPU deployment does, measured: see ``runtime_model``), the deployment's
-   threshold.
+   mean context), the link's capacity and round trip, the engine's token budget, the KV streamed layer
+   by layer while the prefill computes (what this deployment does, measured: see ``runtime_model``),
+   the deployment's threshold.
 2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
    Then a first figure of the CPU per request that the engines' cores spend outside the engines (the
    router, the load generator, the workers' front ends, the kernel's network work for them), from two
@@ -28,15 +28,14 @@ need on a small machine). Steps:
    curve at which the simulator, replaying those requests, gives their offloaded requests' measured
    mean TTFT is applied from then on, and the knee predicted again with it: the loads below are shares
    of that knee. Both knees and the factor are printed. Before that factor is fitted, long prompts
-   sent alone, back to back, and beside short ones decoding on ``decode-0`` measure what slows the
-   PrfaaS prefill beyond its profile (``_interference.py``): the CPU its KV sender takes from the
-   engine's core (a prefill that starts as the previous one's KV leaves computes beside the sender),
-   and the colocated worker's decoding (the engines share the host's memory system). The simulator
-   charges both (``simulation.send_cpu_ms_per_mib``, ``simulation.colocated_interference``), and the
-   knee becomes the rate at which the capacity simulated at that rate equals it. Beside that, ``prefill-0``'s
-   telemetry (``prfaas_kv_link_send_cpu_seconds``) gives the CPU its KV sender threads themselves used per
-   MiB over the calibration loads, printed and recorded (``sender_threads_cpu_ms_per_mib``): the part of
-   the back-to-back charge that is the sender's own work.
+   sent alone and beside short ones decoding on ``decode-0`` measure how much the colocated worker's
+   decoding slows the PrfaaS prefill (the engines share the host's memory system; ``_interference.py``),
+   which the simulator charges (``simulation.colocated_interference``), and the knee becomes the rate at
+   which the capacity simulated at that rate equals it. Long prompts sent back to back check the
+   transfer model: a prefill queued behind another should cost what one alone does (printed, not
+   charged). The KV sender's own CPU is part of every prefill's time, so the speed factor holds it;
+   ``prefill-0``'s telemetry (``prfaas_kv_link_send_cpu_seconds``) gives what its sender threads used per
+   MiB over the calibration loads, printed and recorded (``sender_threads_cpu_ms_per_mib``).
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the
@@ -213,11 +212,12 @@ def lognormal_spec() -> dict:
 def runtime_model(inputs, rtt_ms: float, host_cpu_s: float = 0.0):
     from services.simulator.runtime import parse_runtime
 
-    # layerwise off: measured here, an idle long request's TTFT is its prefill plus its whole transfer,
-    # not the prefill alone as layer-wise streaming gives on a GPU host (the prefill worker's sender
-    # threads share the engine's one core with its busy compute threads, so the KV leaves after it).
+    # layer-wise: measured here with prefill-0's debug log, a request's KV reaches decode-0 within
+    # milliseconds of its prefill's end, alone or queued behind another (its layers leave while later ones
+    # compute, the sender threads taking under 1 ms of the engine's core per MiB), and a prefill queued
+    # behind another costs what one alone does (``_interference``'s back-to-back check).
     return parse_runtime(inputs.simulation).with_overrides(
-        {"link_rtt_ms": rtt_ms, "layerwise": False, "local_both": 1, "per_instance": True,
+        {"link_rtt_ms": rtt_ms, "layerwise": True, "local_both": 1, "per_instance": True,
          "host_cpu_s_per_request": host_cpu_s, "host_cores": len(os.sched_getaffinity(0))})
 
 
@@ -234,7 +234,7 @@ def run_spec(inputs, rtt_ms: float, rate: float, num_requests: int, replay=(), s
 def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
     """The simulator's capacity (utilization law over its resources) for the workload's distribution,
     engines on cores of their own. With interference the PrfaaS prefill's busy time grows with the rate
-    (the sender's CPU comes out of its compute when prefills queue; the colocated worker decodes more):
+    (the colocated worker decodes more, or the sender's CPU comes out of its compute when prefills queue):
     the knee is then the rate at which the capacity simulated at that rate equals it, found by damped
     steps from the capacity at a light rate."""
     from services.simulator.engine import simulate
@@ -252,28 +252,29 @@ def predicted_knee(inputs, rtt_ms: float, seed: int) -> float:
 
 
 def with_interference(inputs, measured: _interference.Interference):
-    """``inputs`` whose simulation charges the PrfaaS prefill its KV sender's CPU and slows it while the
-    colocated worker decodes, as measured."""
-    return replace(inputs, simulation={**(inputs.simulation or {}), "send_cpu_ms_per_mib": measured.send_cpu_ms_per_mib,
-                                       "colocated_interference": measured.colocated})
+    """``inputs`` whose simulation slows the PrfaaS prefill while the colocated worker decodes, as measured."""
+    return replace(inputs, simulation={**(inputs.simulation or {}), "colocated_interference": measured.colocated})
 
 
 def interference(deployment: Deployment, inputs, rtt_ms: float, pairs: int) -> _interference.Interference:
     """What slows the PrfaaS prefill worker beyond its profile, measured on the deployment
-    (``_interference``): the KV transfer and decode steps it subtracts come from the profile and the link."""
+    (``_interference``): the exposed KV transfer and the decode steps it subtracts come from the profile and
+    the link."""
     import math
 
     from services.planner.profiles import PiecewiseLinear
+    from services.simulator.runtime import exposed_transfer_s
 
     spec = run_spec(inputs, rtt_ms, 0.2, 1)
     topo, tokens = spec.topology, _interference.PROMPT_TOKENS
     kv_bytes = topo.prfaas_kv_bytes(tokens)
-    transfer = kv_bytes / spec.runtime.link_bytes_per_s(topo.link_gbps)
+    prefill = topo.prfaas_latency(tokens)
+    exposed = exposed_transfer_s(kv_bytes / spec.runtime.link_bytes_per_s(topo.link_gbps), prefill)
     curve = inputs.simulation["decode_step_s_by_batch"]
     step = PiecewiseLinear(tuple(float(b) for b, _ in curve), tuple(float(t) for _, t in curve))
-    alone = topo.prfaas_latency(tokens) + transfer + step(1)
+    alone = prefill + exposed + step(1)
     decode_tokens = math.ceil(_interference.OUTLAST * alone / step(_interference.BACKGROUND))
-    return _interference.fit(*_interference.measure(deployment.base_url, decode_tokens, pairs), transfer, kv_bytes,
+    return _interference.fit(*_interference.measure(deployment.base_url, decode_tokens, pairs), exposed, kv_bytes,
                              step)
 
 
@@ -501,8 +502,8 @@ def main(argv=None) -> int:
             print(f"sim_vs_real: outside the engines (the router, load generator, workers' front ends, the kernel's "
                   f"work for them) the engines' {len(os.sched_getaffinity(0))} cores spend, at first, "
                   f"{first.describe()}", flush=True)
-            print("sim_vs_real: measuring what slows the PrfaaS prefill worker: its KV sender, the colocated "
-                  "worker's decoding ...", flush=True)
+            print("sim_vs_real: measuring what slows the PrfaaS prefill worker (the colocated worker's decoding) "
+                  "and checking a prefill queued behind another ...", flush=True)
             slowdown = interference(deployment, inputs, args.rtt_ms, args.interference_pairs)
             print(f"sim_vs_real: {slowdown.describe()}", flush=True)
             inputs = with_interference(inputs, slowdown)

@@ -119,10 +119,11 @@ def _add_runtime_arguments(parser) -> None:
                        "while a share s of the colocated workers decode, the PrfaaS prefill computes at 1 / (1 + X s) "
                        f"of the profile's speed; 0: hosts of their own (default: {default.colocated_interference:g})")
     group.add_argument("--send-cpu-ms-per-mib", type=float, metavar="MS",
-                       help="what a PrfaaS prefill instance loses per MiB of KV it sends, taken from its compute "
-                       "when a prefill starts beside the send (CPU engines whose sender shares their cores; measured "
-                       "back to back, as bench/sim_vs_real.py does); 0: the sender has cores of its own "
-                       f"(default: {default.send_cpu_ms_per_mib:g})")
+                       help="what a PrfaaS prefill instance loses per MiB of KV it sends, taken from the compute "
+                       "of the prefill that starts as the send does (its own with --layerwise, else the next "
+                       "queued): CPU engines whose sender shares their cores (the router's "
+                       "prfaas_kv_link_send_cpu_seconds over prfaas_kv_link_sent_bytes); 0: the sender has cores "
+                       f"of its own, or the profile already holds it (default: {default.send_cpu_ms_per_mib:g})")
     group.add_argument("--admission", action=argparse.BooleanOptionalAction, default=None,
                        help="the router's admission control judges each routed request (capacity and, with "
                        "--admission-ttft-slo, the predicted TTFT); rejected requests are counted and enter no "

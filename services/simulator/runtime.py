@@ -37,12 +37,12 @@ trip, KV sent after the prefill, pool hits loaded in no time. They come from the
   profile's speed (a prefill in flight slows and speeds up as s changes). 0: engines on hosts of their
   own (GPU deployments). ``bench/sim_vs_real.py`` measures it on its host.
 - ``send_cpu_ms_per_mib``: what a PrfaaS prefill instance loses per MiB of KV it sends, out of its compute:
-  a prefill that starts as a transfer starts (the next in its queue) takes that much longer; an idle
-  instance pays it from its idle time. 0: the sender has cores of its own (GPU deployments).
-  ``bench/sim_vs_real.py`` measures it on its host from prompts sent back to back; that covers the
-  sender threads' own CPU (``prfaas_kv_link_send_cpu_seconds``: under 1 ms per MiB on the embedded
-  default) and, there, a stand-in for the transfer time that simulating its layer-wise send as
-  ``layerwise: false`` leaves out of the instance's busy time (docs/capacity-planning.md).
+  the prefill (step) that starts as a transfer starts takes that much longer (with ``layerwise``, its own
+  prefill; without, the next in its queue); an idle instance pays it from its idle time. 0: the sender
+  has cores of its own (GPU deployments), or a measured profile already holds it. On the embedded
+  default the sender threads take under 1 ms per MiB of the engine's core
+  (``prfaas_kv_link_send_cpu_seconds``), and ``bench/sim_vs_real.py``, which simulates it layer-wise,
+  leaves this 0: the speed it fits for the PrfaaS prefill worker includes it (docs/capacity-planning.md).
 - ``decode_step_s_by_batch``: ``[[batch size, seconds], ...]``, at least two, batch sizes
   increasing: a colocated worker's decode step time by the number decoding (the profile's decode
   points, at the context the workload decodes at), interpolated and extrapolated linearly. Empty: every

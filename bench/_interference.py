@@ -45,9 +45,9 @@ PROMPT_TOKENS = 1536        # offloaded (above the threshold), and a point the p
 BEHIND = 0.25               # the second prompt of a back-to-back pair, after the first: it waits for its step
 BACKGROUND = 4              # short prompts decoding: a batch the loads near the knee reach
 BACKGROUND_TOKENS = 64      # local (below the threshold)
-# Rounds (alone, back to back, beside). The sender's figure is a difference of seconds-long TTFTs that drift
-# by a few percent from one to the next: over three rounds of one float32 run it read 2.3, 14.3 and 13.1 ms
-# per MiB, and near the knee 5 ms per MiB moves mean TTFT by about a quarter. Five rounds: a median of five.
+# Rounds (alone, back to back, beside). Each figure is a difference of seconds-long TTFTs that drift by a few
+# percent from one to the next (the back-to-back one scattered from -9.5 to +8.6 ms per MiB per round over
+# two float32 runs): five rounds, a median of five.
 PAIRS = 5
 OUTLAST = 1.5               # background decodes last this many times the alone TTFT
 SEED = 7000

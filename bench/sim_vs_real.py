@@ -14,28 +14,28 @@ need on a small machine). Steps:
    mean context), the link's capacity and round trip, the engine's token budget, the KV streamed layer
    by layer while the prefill computes (what this deployment does, measured: see ``runtime_model``),
    the deployment's threshold.
-2. The knee: the simulator's capacity for the load generator's prompt-length distribution.
-   Then a first figure of the CPU per request that the engines' cores spend outside the engines (the
-   router, the load generator, the workers' front ends, the kernel's network work for them), from two
-   light loads (0.13x and 0.4x the knee, 30 s each or long enough for the higher one to send 45
-   requests; ``--calibration-seconds`` sets it) after an unmeasured 15 s at the higher one (the
-   processes' first-request work): on this machine those processes share the engines' cores, and the
-   simulator slows the engines by the share they take at each load
-   (``simulation.host_cpu_s_per_request``; the engines' own processes are what the profile measured).
-   The same two loads measure the PrfaaS prefill worker's speed (``_prfaas_speed.py``): the profile is
-   ``decode-0``'s engine, and ``prefill-0`` ran 0.88 to 1.04x its latency in full runs here, which near
-   the knee moves mean TTFT by more than its tolerance. The factor on the PrfaaS instance's latency
-   curve at which the simulator, replaying those requests, gives their offloaded requests' measured
-   mean TTFT is applied from then on, and the knee predicted again with it: the loads below are shares
-   of that knee. Both knees and the factor are printed. Before that factor is fitted, long prompts
-   sent alone and beside short ones decoding on ``decode-0`` measure how much the colocated worker's
-   decoding slows the PrfaaS prefill (the engines share the host's memory system; ``_interference.py``),
-   which the simulator charges (``simulation.colocated_interference``), and the knee becomes the rate at
-   which the capacity simulated at that rate equals it. Long prompts sent back to back check the
-   transfer model: a prefill queued behind another should cost what one alone does (printed, not
-   charged). The KV sender's own CPU is part of every prefill's time, so the speed factor holds it;
-   ``prefill-0``'s telemetry (``prfaas_kv_link_send_cpu_seconds``) gives what its sender threads used per
-   MiB over the calibration loads, printed and recorded (``sender_threads_cpu_ms_per_mib``).
+2. The knee: the simulator's capacity for the load generator's prompt-length distribution. Then a first
+   figure of the CPU per request that the engines' cores spend outside the engines (the router, the load
+   generator, the workers' front ends, the kernel's network work for them), from two light loads (0.13x
+   and 0.4x the knee, 30 s each or long enough for the higher one to send 45 requests;
+   ``--calibration-seconds`` sets it) after an unmeasured 15 s at the higher one (the processes'
+   first-request work): on this machine those processes share the engines' cores, and the simulator
+   slows the engines by the share they take at each load (``simulation.host_cpu_s_per_request``; the
+   engines' own processes are what the profile measured). The same two loads measure the PrfaaS prefill
+   worker's speed (``_prfaas_speed.py``): the profile is ``decode-0``'s engine, and ``prefill-0`` ran
+   1.03 to 1.10x its latency in three full runs here (its KV sender's CPU included), which near the knee
+   moves mean TTFT by more than its tolerance. The factor on the PrfaaS instance's latency curve at
+   which the simulator, replaying those requests, gives their offloaded requests' measured mean TTFT is
+   applied from then on, and the knee predicted again with it: the loads below are shares of that knee.
+   Both knees and the factor are printed. Before that factor is fitted, long prompts sent alone and
+   beside short ones decoding on ``decode-0`` measure how much the colocated worker's decoding slows the
+   PrfaaS prefill (the engines share the host's memory system; ``_interference.py``), which the
+   simulator charges (``simulation.colocated_interference``), and the knee becomes the rate at which the
+   capacity simulated at that rate equals it. Long prompts sent back to back check the transfer model: a
+   prefill queued behind another should cost what one alone does (printed, not charged). The KV sender's
+   own CPU is part of every prefill's time, so the speed factor holds it; ``prefill-0``'s telemetry
+   (``prfaas_kv_link_send_cpu_seconds``) gives what its sender threads used per MiB over the calibration
+   loads, printed and recorded (``sender_threads_cpu_ms_per_mib``).
 3. At each load (a share of the knee: light, near it, past it) the project's load generator
    (``prfaas bench serve``) runs the real system for ``--seconds`` (or ``--min-requests``) with
    Poisson arrivals and prompts no earlier load sent (none finds a prefix cached), and the

@@ -5,13 +5,15 @@ between two TUN devices), capped at 1 Gbit/s with ``tbf``, 1% random loss (tests
 bench/_common.py). The KV is a bfloat16 cache shaped like SmolLM2-135M's (30 attention layers, 3 KV
 heads of 64, blocks of 128 tokens, vLLM's CPU layout: 23,040 bytes per token), random normal values.
 Each transfer streams ``--tokens`` tokens of it layer by layer over 8 connections, as a PrfaaS prefill
-worker does: with ``transport.codec: none`` raw, with ``fp8`` or ``int8`` coded on the sender's I/O
+worker does: with ``transport.codec: none`` raw, with ``fp8`` or ``int8`` coded on the sending
 thread (the connector's encoder, one scale per row of 128 values). The receiver, in the namespace, decodes
 every coded frame back into bfloat16 (the decode worker's work) before it reports the transfer done.
+Both ends code on one thread each (torch's idle threads would spin on the cores the path's delay line
+needs). The codecs take turns, one transfer each per round.
 KV tokens per second = tokens / (first send to the receiver's end of transfer), median of the rounds.
 Target: each codec carries at least 1.9x the tokens per second of none. Needs root and gcc.
 
-    python bench/wire_codec_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--tokens 8192] [--rounds 3]
+    python bench/wire_codec_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--tokens 8192] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 import _common  # noqa: F401  (puts the project on sys.path)
 from _common import ROOT, add_link_arguments, median, verdict, wait_transfer, wan_link
 
+from services.kv_connector.codecs import encode
 from services.kv_transport import KVTransport, TransportSettings
 
 SECRET = "bench-secret"
@@ -37,6 +40,7 @@ RECEIVER = """
 import sys, time
 sys.path.insert(0, {root!r})
 import torch
+torch.set_num_threads(1)
 from services.kv_connector.codecs import decode
 from services.kv_transport import Frame, KVTransport, TransportSettings
 rx = KVTransport(TransportSettings(secret={secret!r}, codec={codec!r}), listen_host={host!r}, listen_port={port})
@@ -50,8 +54,8 @@ while True:
 """
 
 
-def start_receiver(codec: str, host: str, netns: str) -> subprocess.Popen:
-    code = RECEIVER.format(root=str(ROOT), secret=SECRET, codec=codec, host=host, port=PORT)
+def start_receiver(codec: str, host: str, port: int, netns: str) -> subprocess.Popen:
+    code = RECEIVER.format(root=str(ROOT), secret=SECRET, codec=codec, host=host, port=port)
     process = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", code], stdout=subprocess.PIPE,
                                text=True)
     if not process.stdout.readline().startswith("ready"):
@@ -80,7 +84,7 @@ def codec_speed(codec: str, megabytes: int = 48, rounds: int = 5) -> tuple[float
     """Encode and decode GB/s of bfloat16 KV on one core (one torch thread), medians of ``rounds``."""
     import torch
 
-    from services.kv_connector.codecs import decode, encode
+    from services.kv_connector.codecs import decode
     from services.kv_transport.codecs import CODECS
 
     threads = torch.get_num_threads()
@@ -100,29 +104,41 @@ def codec_speed(codec: str, megabytes: int = 48, rounds: int = 5) -> tuple[float
     return len(payload) / median(encode_s) / 1e9, len(payload) / median(decode_s) / 1e9
 
 
-def measure(codec: str, link, tokens: int, rounds: int) -> tuple[float, int]:
-    """Median KV tokens per second over ``rounds`` transfers (after one that opens the connections),
-    and the bytes one transfer put on the wire."""
-    from services.kv_connector.codecs import encode
+def measure(codecs: tuple[str, ...], link, tokens: int, rounds: int) -> dict[str, tuple[float, int]]:
+    """Per codec, the median KV tokens per second over ``rounds`` transfers (after one that opens its
+    connections) and the bytes one transfer put on the wire. The codecs take turns, one transfer
+    each per round, so that a slow spell of the emulated path falls on all of them alike."""
+    import torch
 
+    torch.set_num_threads(1)  # as the sending thread codes: one core (torch's idle threads would spin)
     num_blocks = tokens // BLOCK
     payload = layer_payload(num_blocks)
-    receiver = start_receiver(codec, link.ns_addr, link.ns)
-    tx = KVTransport(TransportSettings(secret=SECRET, codec=codec), encoder=encode)
-    peer = f"{link.ns_addr}:{PORT}"
+    receivers, senders, peers, seconds = {}, {}, {}, {codec: [] for codec in codecs}
     try:
-        stream(receiver, tx, peer, payload, num_blocks, f"{codec}-warm")
-        sent = tx.snapshot().peers[0].bytes_sent
-        seconds = [stream(receiver, tx, peer, payload, num_blocks, f"{codec}-{r}") for r in range(rounds)]
-        per_transfer = (tx.snapshot().peers[0].bytes_sent - sent) // rounds
+        for number, codec in enumerate(codecs):
+            receivers[codec] = start_receiver(codec, link.ns_addr, PORT + number, link.ns)
+            senders[codec] = KVTransport(TransportSettings(secret=SECRET, codec=codec), encoder=encode)
+            peers[codec] = f"{link.ns_addr}:{PORT + number}"
+            stream(receivers[codec], senders[codec], peers[codec], payload, num_blocks, f"{codec}-warm")
+        sent = {codec: senders[codec].snapshot().peers[0].bytes_sent for codec in codecs}
+        for number in range(rounds):
+            for codec in codecs:
+                took = stream(receivers[codec], senders[codec], peers[codec], payload, num_blocks, f"{codec}-{number}")
+                seconds[codec].append(took)
+                print(f"  round {number + 1}, {codec}: {tokens / took:,.0f} KV tokens/s", file=sys.stderr)
+        per_transfer = {codec: (senders[codec].snapshot().peers[0].bytes_sent - sent[codec]) // rounds
+                        for codec in codecs}
     finally:
-        tx.close()
-        receiver.kill()
-        receiver.wait()
-    for number, s in enumerate(seconds):
-        print(f"  {codec}, round {number + 1}: {tokens / s:,.0f} KV tokens/s ({per_transfer * 8 / s / 1e9:.3f} "
-              f"Gbit/s on the wire)", file=sys.stderr)
-    return tokens / median(seconds), per_transfer
+        for sender in senders.values():
+            sender.close()
+        for receiver in receivers.values():
+            receiver.kill()
+            receiver.wait()
+    for codec in codecs:
+        rate = median(per_transfer[codec] * 8 / s for s in seconds[codec]) / 1e9
+        print(f"{codec}: median {tokens / median(seconds[codec]):,.0f} KV tokens/s, {rate:.3f} Gbit/s on the wire",
+              file=sys.stderr)
+    return {codec: (tokens / median(seconds[codec]), per_transfer[codec]) for codec in codecs}
 
 
 def main() -> int:
@@ -130,7 +146,8 @@ def main() -> int:
     add_link_arguments(parser)
     parser.add_argument("--tokens", type=int, default=8192, help="KV tokens per transfer, a multiple of 128 "
                         "(default 8192: 189 MB of bfloat16 KV)")
-    parser.add_argument("--rounds", type=int, default=3, help="measured transfers per codec (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="measured transfers per codec, the codecs taking "
+                        "turns (default 5)")
     parser.add_argument("--buffer-ms", type=int, default=20, help="bottleneck queue in ms at the cap (default 20)")
     args = parser.parse_args()
     if args.tokens < BLOCK or args.tokens % BLOCK or args.rounds < 1 or args.rate_mbit <= 0:
@@ -142,7 +159,7 @@ def main() -> int:
     with wan_link(args.rate_mbit, args.loss, args.buffer_ms, args.rtt_ms) as link:
         print(f"link: {args.rate_mbit} Mbit/s cap, {args.rtt_ms:g} ms added round trip, {args.loss:g}% random loss; "
               f"{args.tokens} tokens of bfloat16 KV per transfer", file=sys.stderr)
-        results = {codec: measure(codec, link, args.tokens, args.rounds) for codec in ("none", *CODECS)}
+        results = measure(("none", *CODECS), link, args.tokens, args.rounds)
     raw, raw_bytes = results["none"]
     ratios = {codec: results[codec][0] / raw for codec in CODECS}
     detail = "; ".join(f"{codec} {results[codec][0]:,.0f} KV tokens/s ({ratios[codec]:.3f}x), wire bytes per "

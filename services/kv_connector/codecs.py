@@ -6,8 +6,9 @@ K or V) area of the cache: in vLLM's CPU layout one channel of a block's K (its 
 transposed) or a few tokens of its V, on GPU backends one token's K or V. Each row has its own
 float32 scale: its absolute maximum over the codec's largest value (448 for e4m3, 127 for int8), so
 a channel or token with large values costs no precision to one with small ones, and the scales go
-wherever their rows go (a TP slice of heads, a re-blocked token). Vectorised over the whole payload;
-no loop over blocks.
+wherever their rows go (a TP slice of heads, a re-blocked token). Vectorised over chunks of about
+``CHUNK_BYTES`` of the cache dtype, so that a chunk's float32 temporaries stay in the core's cache
+(at 48 MiB a payload, coding it whole ran at half the speed or less); no loop over blocks.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ INT8_MAX = 127.0
 LARGEST = {FP8: FP8_MAX, INT8: INT8_MAX}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
-_FLOAT32_OF_CODE = _CODES.float().numpy()
-_BF16_OF_CODE = _CODES.to(torch.bfloat16).view(torch.int16).numpy()
+_FLOAT32_OF_CODE = _CODES.float()
+CHUNK_BYTES = 512 * 1024  # best of 128 KiB to 4 MiB on this host's 2 cores
+_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_MAGNITUDE = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
 
 
 def coding_of(cache: torch.Tensor) -> tuple[str, int] | None:
@@ -50,41 +53,57 @@ def encode(codec: int, payload: memoryview, dtype: str, row_elems: int, per_tens
     num_rows = rows.shape[0]
     out = torch.empty(num_rows * (SCALE_BYTES + row_elems), dtype=torch.uint8)
     scales = out[:num_rows * SCALE_BYTES].view(torch.float32)
-    absmax = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()).float()
+    absmax = _absmax(rows)
     if per_tensor:
         absmax = absmax.amax().expand_as(absmax)
     scales.copy_((absmax / largest).to(torch.bfloat16))
     inverse = scales.reciprocal()
     inverse = torch.where(torch.isfinite(inverse), inverse, torch.zeros_like(inverse))
-    values = out[num_rows * SCALE_BYTES:]
-    if codec == INT8:  # rounded in float32: bfloat16 cannot hold every step of 127
-        scaled = rows.to(torch.float32, copy=True).mul_(inverse[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
-        values.view(torch.int8).view(num_rows, row_elems).copy_(scaled)
-        return out.numpy().data
-    work = rows if rows.dtype != torch.float16 else rows.float()  # 1/scale overflows float16
-    scaled = torch.mul(work, inverse.to(work.dtype)[:, None]).clamp_(-FP8_MAX, FP8_MAX)
-    values.view(FP8_DTYPE).view(num_rows, row_elems).copy_(scaled)
+    values = out[num_rows * SCALE_BYTES:].view(num_rows, row_elems)
+    step = _chunk_rows(rows)
+    for start in range(0, num_rows, step):  # a chunk's float32 copy stays in the core's cache
+        part = slice(start, start + step)
+        scaled = rows[part].to(torch.float32, copy=True).mul_(inverse[part, None])  # one rounding, into the code
+        if codec == INT8:
+            values[part].view(torch.int8).copy_(scaled.round_().clamp_(-INT8_MAX, INT8_MAX))
+        else:
+            values[part].view(FP8_DTYPE).copy_(scaled.clamp_(-FP8_MAX, FP8_MAX))
     return out.numpy().data
+
+
+def _chunk_rows(rows: torch.Tensor) -> int:
+    """Rows per pass of the coders: about ``CHUNK_BYTES`` of the cache dtype."""
+    return max(1, CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
+
+
+def _absmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's largest absolute value, as float32: the largest of the values' bits with the sign
+    bit cleared, read as an integer (a float's magnitude orders as its bits do; NaN above infinity).
+    Ten times faster here than the largest and the smallest of 16-bit floats."""
+    bits = rows.view(_SAME_SIZE_INT[rows.dtype])
+    return torch.bitwise_and(bits, _MAGNITUDE[rows.dtype]).amax(dim=1).view(rows.dtype).float()
 
 
 def decode(codec: int, payload: memoryview, row_elems: int, dtype: torch.dtype) -> memoryview:
     """A received payload as the raw bytes of ``dtype`` (the consumer's cache dtype) it stands for;
-    a raw payload (``none``) as it is. The payload was checked against its codec on arrival. Values
-    are looked up in a table of the 256 codes (several times faster than torch's float8 cast here)."""
+    a raw payload (``none``) as it is. The payload was checked against its codec on arrival. Float8
+    values are looked up in a float32 table of the 256 codes (several times faster than torch's
+    float8 cast here); each value times its bfloat16 scale is exact in float32, rounded once."""
     if codec == NONE:
         return payload
     num_rows = coded_rows(codec, row_elems, len(payload))
-    scales = torch.frombuffer(payload, dtype=torch.float32, count=num_rows)
-    if codec == INT8:
-        ints = torch.from_numpy(numpy.frombuffer(payload, numpy.int8, offset=num_rows * SCALE_BYTES).copy())
-        values = ints.view(num_rows, row_elems).float().mul_(scales[:, None])
-        return values.to(dtype).view(-1).view(torch.uint8).numpy().data
-    codes = numpy.frombuffer(payload, numpy.uint8, offset=num_rows * SCALE_BYTES)
-    if dtype == torch.bfloat16:
-        values = torch.from_numpy(_BF16_OF_CODE[codes]).view(torch.bfloat16).view(num_rows, row_elems)
-        return values.mul_(scales.to(torch.bfloat16)[:, None]).view(-1).view(torch.uint8).numpy().data
-    values = torch.from_numpy(_FLOAT32_OF_CODE[codes]).view(num_rows, row_elems).mul_(scales[:, None])
-    return values.to(dtype).view(-1).view(torch.uint8).numpy().data
+    scales = torch.from_numpy(numpy.frombuffer(payload, numpy.float32, num_rows).copy())
+    codes = numpy.frombuffer(payload, numpy.uint8, offset=num_rows * SCALE_BYTES).reshape(num_rows, row_elems)
+    out = torch.empty(num_rows, row_elems, dtype=dtype)
+    step = _chunk_rows(out)
+    for start in range(0, num_rows, step):  # a chunk's temporaries stay in the core's cache
+        part = slice(start, start + step)
+        if codec == INT8:  # (numpy reads the payload: it may be read-only, which torch's tensors cannot be)
+            values = torch.from_numpy(codes[part].view(numpy.int8).astype(numpy.float32))
+        else:
+            values = _FLOAT32_OF_CODE.index_select(0, torch.from_numpy(codes[part].astype(numpy.int32)).view(-1))
+        out[part] = values.view(-1, row_elems).mul_(scales[part, None])  # exact (bfloat16 scales), rounded once
+    return out.view(-1).view(torch.uint8).numpy().data
 
 
 def decoded_bytes(codec: int, payload_bytes: int, row_elems: int, dtype: torch.dtype) -> int:

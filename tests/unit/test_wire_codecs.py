@@ -159,6 +159,7 @@ def _coded(rows: int = 2, row_elems: int = 8) -> bytearray:
     ("NaN scale", codecs.FP8, 8, codecs.FP8, bytearray(struct.pack("<f", float("nan")) + bytes(8)), "not finite"),
     ("negative scale", codecs.FP8, 8, codecs.FP8, bytearray(struct.pack("<f", -1.0) + bytes(8)), "negative"),
     ("NaN value", codecs.FP8, 8, codecs.FP8, bytearray(struct.pack("<f", 1.0) + b"\x7f" + bytes(7)), "NaN"),
+    ("negative NaN value", codecs.FP8, 8, codecs.FP8, bytearray(struct.pack("<f", 1.0) + bytes(7) + b"\xff"), "NaN"),
     ("int8 on an fp8 link", codecs.INT8, 8, codecs.FP8, _coded(), "the handshake agreed on fp8"),
     ("int8 -128", codecs.INT8, 8, codecs.INT8, bytearray(struct.pack("<f", 1.0) + b"\x80" + bytes(7)), "-128"),
 ])
@@ -171,6 +172,12 @@ def test_a_well_formed_payload_passes():
     assert codecs.payload_problem(codecs.INT8, 8, codecs.INT8, memoryview(bytearray(struct.pack("<f", 1.0))
                                                                             + b"\x7f\x81" + bytes(6))) is None
     assert codecs.payload_problem(codecs.NONE, 0, codecs.FP8, memoryview(bytearray(5))) is None
+    every_code = bytes(range(256))
+    fp8_numbers = bytes(code for code in every_code if code & 0x7F != 0x7F)  # all but the two NaNs
+    int8_numbers = every_code.replace(b"\x80", b"")  # all but -128
+    scale = struct.pack("<f", 1.0)
+    assert codecs.payload_problem(codecs.FP8, 254, codecs.FP8, memoryview(scale + fp8_numbers)) is None
+    assert codecs.payload_problem(codecs.INT8, 255, codecs.INT8, memoryview(scale + int8_numbers)) is None
 
 
 def test_tables_of_the_decoder_match_torchs_float8():

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from services.procs import end_with_supervisor
+
 COMMAND_MODULES = (
     "services.launcher.cli",        # up
     "services.router.cli",          # router
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_supervisor()  # started by `prfaas up` or a deployment of the tests: end with it
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -13,3 +13,34 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# A service started by a supervisor (`prfaas up`, a test's or a benchmark's deployment) ends with it:
+# the supervisor names itself in this variable, and the service asks the kernel for SIGTERM when the
+# process that started it dies, even by SIGKILL (the OOM killer, a timeout), so that it drains and
+# stops as on an operator's SIGTERM instead of holding its ports and memory for nobody.
+SUPERVISOR_PID = "PRFAAS_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def supervised_env() -> dict[str, str]:
+    """What a supervisor adds to a service's environment so that the service ends with it."""
+    return {SUPERVISOR_PID: str(os.getpid())}
+
+
+def end_with_supervisor() -> None:
+    """In a service: SIGTERM this process when its supervisor dies (Linux; elsewhere nothing). The
+    variable is removed, so that what the service starts does not inherit it. A supervisor already
+    gone is a SIGTERM now. Started through a wrapper that forks (the parent is not the supervisor),
+    the service ends with the wrapper, which ends with the supervisor."""
+    supervisor = os.environ.pop(SUPERVISOR_PID, "")
+    if not supervisor.isdigit() or not os.uname().sysname == "Linux":
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if not process_alive(int(supervisor)):  # it died before the request above: nobody will signal
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig
+from services.procs import supervised_env
 from services.security import GrpcSecurity
 
 STOP_TIMEOUT_S = 40.0
@@ -33,7 +34,7 @@ class Child:
         self.log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env={**os.environ, **self.env} if self.env else None)
+                                        env={**os.environ, **self.env, **supervised_env()})
 
     @property
     def exited(self) -> bool:

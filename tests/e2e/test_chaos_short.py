@@ -23,7 +23,7 @@ import yaml
 
 from support import netns
 from support.deployment import wait_until
-from support.procs import alive, descendants
+from support.procs import alive, descendants, run_to_end
 from services.launcher.supervisor import router_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +39,8 @@ def namespaces():
 
 
 def test_a_short_chaos_run_meets_its_targets(tmp_path):
-    run = subprocess.run([sys.executable, "bench/chaos.py", *SHORT_RUN, "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=800)
+    run = run_to_end([sys.executable, "bench/chaos.py", *SHORT_RUN, "--out", str(tmp_path)],
+                         cwd=ROOT, timeout=800)
     print(run.stdout[-6000:], run.stderr[-3000:])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].endswith("PASS")

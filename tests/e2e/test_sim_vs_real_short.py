@@ -10,13 +10,13 @@ requests of a light load complete inside its window is an edge effect: on a slow
 in a minute completed at 74% of their arrival rate on both sides.)
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from support.netns import available
+from support.procs import run_to_end
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_sim_vs_real_runs_and_routes_like_the_router(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
+    run = run_to_end([sys.executable, str(ROOT / "bench" / "sim_vs_real.py"), "--seconds", "20",
                           "--min-requests", "6", "--max-runs", "1", "--loads",
                           "0.3,2.0", "--overload-runs", "2", "--max-overload-runs", "2",
                           "--calibration-seconds", "6", "--interference-pairs", "1", "--quick",
                           "--shared-profile-cache",
                           "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
+                         timeout=900)
     errors = [line for line in run.stderr.splitlines() if "Error" in line][-5:]  # ahead of the services' logs
     said = "\n".join([run.stdout[-3000:], *errors, run.stderr[-3000:]])
     assert run.returncode in (0, 1), said

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 
 
@@ -56,3 +57,26 @@ def alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+STOP_GRACE_S = 60.0
+
+
+def run_to_end(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)``, except for how a
+    command is stopped: when the test is stopped meanwhile (Ctrl-C, CI's SIGTERM) or the command
+    runs past ``timeout``, it gets SIGTERM and up to ``STOP_GRACE_S`` to remove what it made (its
+    deployment, delay lines, network namespaces, shared memory) before SIGKILL. subprocess.run
+    SIGKILLs it at once, which leaves all of that behind."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        process.terminate()
+        try:
+            process.communicate(timeout=STOP_GRACE_S)
+        except BaseException:
+            process.kill()
+            process.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)

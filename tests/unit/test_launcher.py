@@ -1,10 +1,19 @@
 """What `prfaas up` starts: cache pools first, then workers, then the router; and what it waits for."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from services.config import parse_config
 from services.launcher import supervisor
+from support.deployment import wait_until
+from support.ports import free_port
+from support.procs import alive
 
 RAW = {
     "model": {"name": "m", "path": "builtin:smollm2-135m-instruct"},
@@ -34,3 +43,47 @@ def test_a_deployment_without_pools_starts_no_pool():
     raw = {key: value for key, value in RAW.items() if key != "cache_pools"}
     assert [c.name for c in supervisor.children_for(parse_config(raw), Path("c.yaml"), Path("."))] == \
         ["decode-0", "prefill-0", "router"]
+
+
+
+SUPERVISOR = """
+import sys, time
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from services.config import load_config
+from services.launcher import supervisor
+config = load_config(Path({config!r}))
+pool = supervisor.children_for(config, Path({config!r}), Path({logs!r}))[0]
+pool.env = supervisor.generated_credentials(config)
+pool.start()
+print(pool.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_service_ends_when_its_supervisor_is_killed(tmp_path):
+    """`prfaas up` (or a test's deployment) killed by SIGKILL, which it cannot clean up after: the
+    services it started get SIGTERM from the kernel and stop, rather than hold their ports for nobody."""
+    port = free_port()
+    raw = {"model": RAW["model"], "router": {"port": free_port()}, "workers": [{"name": "d", "port": free_port()}],
+           "cache_pools": [{"name": "pool-local", "cluster": "local", "port": port, "memory_budget_gib": 0.05}]}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    log = tmp_path / "pool-local.log"
+    script = SUPERVISOR.format(root=str(Path(__file__).resolve().parents[2]), config=str(config), logs=str(tmp_path))
+    boss = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        pid = int(boss.stdout.readline() or 0)
+        assert pid, "the supervisor did not start the pool"
+        assert wait_until(lambda: supervisor.worker_serving("127.0.0.1", port) or not alive(pid), 60)
+        assert alive(pid), log.read_text()[-3000:]
+        boss.kill()
+        boss.wait()
+        assert wait_until(lambda: not alive(pid), 30), "the cache pool outlived the supervisor that started it"
+        assert not supervisor.worker_serving("127.0.0.1", port)
+    finally:
+        boss.kill()
+        boss.wait()
+        if pid and alive(pid):
+            os.killpg(pid, signal.SIGKILL)

@@ -2,13 +2,13 @@
 benchmark cannot rot: the transport and iperf3 both cross the delay line with 1% loss, and it prints
 the cap fraction and then its headline, goodput against iperf3's with as many connections."""
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from support.netns import available
+from support.procs import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.skipif(available() is not None, reason=str(available())),
@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.skipif(available() is not None, reason=str(available()
 
 
 def test_it_measures_the_transport_against_iperf3_on_the_same_path():
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "transport_wan.py"), "--megabytes", "8", "--rounds", "1",
-                          "--rtt-ms", "2", "--rate-mbit", "200"], capture_output=True, text=True, timeout=120)
+    run = run_to_end([sys.executable, str(ROOT / "bench" / "transport_wan.py"), "--megabytes", "8", "--rounds", "1",
+                          "--rtt-ms", "2", "--rate-mbit", "200"], timeout=120)
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
     *_, cap, last = run.stdout.strip().splitlines()
     assert "fraction of the nominal cap" in cap and "iperf3 -P 8" in cap, cap

@@ -6,22 +6,22 @@ The speed ratio itself (target 1.9x) is the benchmark's to judge, not this test'
 running the rest of the suite the coders share the cores with the link, and the ratio read from 1.28x
 to 1.8x for the same code."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from support.netns import available
+from support.procs import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(available() is not None, reason=f"needs network namespaces: {available()}")
 def test_a_codec_halves_the_bytes_on_a_capped_link_and_the_benchmark_reaches_its_verdict():
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "wire_codec_wan.py"), "--rtt-ms", "0", "--loss", "0",
+    run = run_to_end([sys.executable, str(ROOT / "bench" / "wire_codec_wan.py"), "--rtt-ms", "0", "--loss", "0",
                           "--rate-mbit", "200", "--tokens", "1024", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300)
+                         timeout=300)
     last = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-3000:]
     assert last.startswith("wire codec WAN KV tokens/s, the lower of fp8 and int8 vs none: "), last
     assert run.returncode in (0, 1), run.stderr[-3000:]  # 1 is a missed target, anything else a crash

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
         help="start every service of a deployment on this machine (default: the embedded CPU deployment)",
         description="Start the router, every worker and every cache pool (`cache_pools:`) of the deployment "
         "config as separate processes, "
-        "wait until all are healthy, print the endpoint, and stop them all on Ctrl-C or SIGTERM. "
+        "wait until all are healthy, print the endpoint, and stop them all on Ctrl-C or SIGTERM "
+        "(killed outright, it leaves each service a SIGTERM from the kernel: they drain and stop). "
         "Each service's log goes to <logging.dir>/<name>.log.",
     )
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,

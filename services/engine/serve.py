@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
 from services.engine import ipc_dir, shm_ledger
-from services.engine.cpus import confine_worker
+from services.engine.cpus import confine_worker, model_in_engine_core
 from services.engine.engine import Engine
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
@@ -58,6 +58,7 @@ async def serve_worker(
 ) -> None:
     """Run one worker until SIGTERM/SIGINT. ``add_servicer`` registers the service, returns its name."""
     confine_worker()
+    model_in_engine_core(config.engine_for(worker).tensor_parallel_size)
     security = GrpcSecurity.of(config)
     guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
     server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))

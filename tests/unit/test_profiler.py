@@ -309,3 +309,32 @@ def test_decode_step_curve_interpolates_between_measured_contexts():
     assert flat(decode_step_curve(points, 100)) == pytest.approx([1, 0.0356, 4, 0.0656])  # the nearest context
     assert flat(decode_step_curve(points, 1024)) == pytest.approx([1, 0.1124, 4, 0.1424, 8, 0.2])
     assert decode_step_curve(points[:1], 256) == ()  # one batch is no curve
+
+
+@pytest.mark.parametrize("tp, env, expected", [
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}),
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}),
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "3"},
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "3"}),       # an operator's thread count stays
+    (2, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, None),                          # TP ranks need vLLM's processes
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, None),  # the operator's choice
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, None),
+    (1, {"VLLM_CPU_OMP_THREADS_BIND": "zero"}, None),
+])
+def test_a_tp1_cpu_engine_runs_its_model_in_the_engine_core_process(tp, env, expected):
+    from services.engine.cpus import model_in_engine_core
+
+    before = dict(env)
+    moved = model_in_engine_core(tp, env)
+    assert moved == (expected is not None)
+    assert env == ({**before, **expected} if expected else before)
+
+
+def test_an_unbound_tp1_engine_gets_the_cpus_vllm_would_give_its_worker():
+    import os
+
+    from services.engine.cpus import engine_cpus, model_in_engine_core
+
+    env: dict[str, str] = {}
+    assert model_in_engine_core(1, env)
+    assert env["OMP_NUM_THREADS"] == str(len(engine_cpus(None, os.sched_getaffinity(0))))

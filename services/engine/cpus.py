@@ -77,20 +77,48 @@ def model_in_engine_core(tensor_parallel_size: int, env: MutableMapping[str, str
     project's 2-core machine served after 21 s against 27-31 s, with the same greedy answers on both
     paths (docs/testing.md). Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (which is what lets vLLM's CPU
     backend keep the uniprocess executor; AsyncLLM still runs the engine core in a process of its
-    own) and ``OMP_NUM_THREADS`` to the engine's CPU count, as vLLM sets it for a worker process it
-    spawns (in-process, vLLM would otherwise cut torch to one thread); the CPUs themselves are bound
-    by ``confine_worker``. Leaves a GPU host, TP above 1, ``nobind`` and an operator's own
+    own) and the OpenMP settings vLLM gives a worker process it spawns: ``OMP_NUM_THREADS`` (in-process
+    vLLM would otherwise cut torch to one thread) and, under ``auto``, ``OMP_PLACES`` and
+    ``OMP_PROC_BIND`` on the CPUs vLLM would choose (``confine_worker`` binds listed CPUs). Leaves a GPU
+    host, TP above 1, ``nobind``, a binding it cannot read and an operator's own
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` alone. Returns whether it moved the model."""
     if os.path.exists("/dev/nvidiactl") or tensor_parallel_size != 1 or MULTIPROCESSING_ENV in env:
         return False
+    bind = env.get(BIND_ENV)
+    automatic = bind in (None, "", "auto")
     try:
-        cpus = engine_cpus(env.get(BIND_ENV), os.sched_getaffinity(0))
+        cpus = vllm_auto_cpus() if automatic else [] if bind == "nobind" else _cpu_list(bind or "")
     except ValueError:
         return False
     if not cpus:
         return False
     env[MULTIPROCESSING_ENV] = "0"
     env.setdefault("OMP_NUM_THREADS", str(len(cpus)))
-    logger.info("the engine's model runs in vLLM's engine-core process (TP 1 on CPU, %s compute threads)",
-                env["OMP_NUM_THREADS"])
+    if automatic:
+        env.setdefault("OMP_PLACES", "{" + ",".join(map(str, cpus)) + "}")
+        env.setdefault("OMP_PROC_BIND", "true")
+    logger.info("the engine's model runs in vLLM's engine-core process (TP 1 on CPU: %s compute threads on CPUs %s)",
+                env["OMP_NUM_THREADS"], cpus)
     return True
+
+
+def vllm_auto_cpus() -> list[int]:
+    """The CPUs vLLM's CPU backend gives the worker process of a TP-1 engine with a KV connector (as
+    every worker's is) under ``VLLM_CPU_OMP_THREADS_BIND=auto``, from vLLM's own rule
+    (``OMPProcessManager``): one logical CPU per physical core of the first NUMA node this process
+    may use; past two such cores, less the two it keeps for other processes."""
+    from types import SimpleNamespace
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
+    saved = os.environ.get(BIND_ENV)
+    os.environ[BIND_ENV] = "auto"
+    try:
+        manager = OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=True))
+    finally:
+        if saved is None:
+            os.environ.pop(BIND_ENV)
+        else:
+            os.environ[BIND_ENV] = saved
+    return list(manager.cpu_lists[0]) if manager.cpu_lists else []

@@ -333,8 +333,16 @@ def test_a_tp1_cpu_engine_runs_its_model_in_the_engine_core_process(tp, env, exp
 def test_an_unbound_tp1_engine_gets_the_cpus_vllm_would_give_its_worker():
     import os
 
-    from services.engine.cpus import engine_cpus, model_in_engine_core
+    from services.engine.cpus import model_in_engine_core, vllm_auto_cpus
 
+    allowed = os.sched_getaffinity(0)
+    cpus = vllm_auto_cpus()
+    assert cpus and set(cpus) <= allowed
+    cores = {open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id").read() for cpu in allowed}
+    if len(cores) <= 2:  # vLLM keeps none back for other processes: one CPU per core
+        assert len(cpus) == len(cores)
     env: dict[str, str] = {}
-    assert model_in_engine_core(1, env)
-    assert env["OMP_NUM_THREADS"] == str(len(engine_cpus(None, os.sched_getaffinity(0))))
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    assert model_in_engine_core(1, env) and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == before
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
+                   "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true"}

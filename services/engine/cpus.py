@@ -81,7 +81,9 @@ def model_in_engine_core(tensor_parallel_size: int, env: MutableMapping[str, str
     vLLM would otherwise cut torch to one thread) and, under ``auto``, ``OMP_PLACES`` and
     ``OMP_PROC_BIND`` on the CPUs vLLM would choose (``confine_worker`` binds listed CPUs). Leaves a GPU
     host, TP above 1, ``nobind``, a binding it cannot read and an operator's own
-    ``VLLM_ENABLE_V1_MULTIPROCESSING`` alone. Returns whether it moved the model."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` alone. Returns whether it moved the model. (vLLM then warns that
+    its global seed may change the random state of the process that launched it; the seed is set where
+    the model runs, in the engine-core process, not in the worker's.)"""
     if os.path.exists("/dev/nvidiactl") or tensor_parallel_size != 1 or MULTIPROCESSING_ENV in env:
         return False
     bind = env.get(BIND_ENV)

@@ -6,6 +6,8 @@ servers run one after the other so they never share the CPU, and their engines c
 cores: a worker's embedded engine binds its OpenMP threads to every CPU it may use (vLLM's ``auto``
 reserves none there), where vLLM's own server under ``auto`` keeps one back for its front end and
 computes on the rest (on 2 cores, half the compute), so the baseline is given the worker's binding.
+Its model also runs where a worker's does, in vLLM's engine-core process rather than a process of its
+own (``services.engine.cpus.model_in_engine_core``), so that the figures differ by the router alone.
 The servers take turns over ``--rounds`` rounds (vLLM then PrfaaS, then PrfaaS then vLLM, ...), and
 each figure pools every round's requests.
 
@@ -86,8 +88,17 @@ def run_vllm(args, out: Path) -> dict:
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
          "--dtype", resolve_dtype("auto", smollm2.prepare()), "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
         cwd=_common.ROOT, stdout=open(out / "vllm.log", "wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": engine_binding()})
+        env=vllm_env())
     return measure(process, f"http://127.0.0.1:{port}", args, out)
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's own server's environment: the worker's CPUs, and its model where a worker runs it."""
+    from services.engine.cpus import model_in_engine_core
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": engine_binding()}
+    model_in_engine_core(1, env)
+    return env
 
 
 def measure(process: subprocess.Popen, base_url: str, args, out: Path) -> dict:

@@ -83,7 +83,9 @@ class WorkerConfig:
     env: dict[object, object] = _opt({}, "Environment variables set in the worker process before its engine "
                                      "starts (e.g. `VLLM_CPU_OMP_THREADS_BIND` to give colocated CPU engines their "
                                      "own cores: a CPU list there, all TP ranks' lists together, also keeps the "
-                                     "worker's other processes on those CPUs).")
+                                     "worker's other processes on those CPUs; `VLLM_ENABLE_V1_MULTIPROCESSING: "
+                                     "\"1\"` gives a TP-1 CPU engine's model a process of its own, as vLLM's CPU "
+                                     "backend does, instead of vLLM's engine-core process).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the project and tests/support on sys.path)
 from _common import results_dir
-from support.baseline import greedy_margins
+from support.baseline import engine_identity, greedy_margins
 from support.deployment import Deployment, deployment_config
 from support.netns import available, run_command
 from support.ports import free_port
@@ -193,8 +193,9 @@ def checkable_prompts(model_path: str, count: int, seed: int) -> tuple[list, lis
     other way (measured: such a prompt, recomputed after a failed transfer, gave a third text).
 
     Two reference engines share the work, one per core. The answers are kept in the prfaas cache
-    directory under a hash of everything that decides them (prompts, chunks, model, vLLM version),
-    so a run with the same seed skips this step."""
+    directory under a hash of everything that decides them (prompts, chunks, the checkpoint, vLLM's
+    and torch's versions, the CPU and the dtype its engines run), so a run with the same seed on the
+    same host skips this step."""
     candidates = make_prompts(int(count * CANDIDATES_PER_PROMPT) + 10, seed)
     answers = reference_answers(model_path, candidates)
     kept = [(prompt, {text for text, _ in pair}) for prompt, pair in zip(candidates, answers)
@@ -206,20 +207,26 @@ def checkable_prompts(model_path: str, count: int, seed: int) -> tuple[list, lis
     return [prompt for prompt, _ in kept[:count]], [texts for _, texts in kept[:count]]
 
 
+def answers_path(model_path: str, work: list) -> Path:
+    """Where the references' answers to ``work`` (index, prompt, budget) are kept: a hash of it and of
+    what decides the engines' numbers, the dtype ``auto`` runs here included."""
+    import hashlib
+
+    from services.engine.args import resolve_dtype
+    from services.models.cache import cache_dir
+
+    identity = {**engine_identity(model_path), "dtype": resolve_dtype("auto", model_path)}
+    key = hashlib.sha256(json.dumps([work, model_path, identity, OUTPUT_TOKENS, "leads"], sort_keys=True).encode())
+    return cache_dir() / "chaos" / f"expected-{key.hexdigest()[:24]}.json"
+
+
 def reference_answers(model_path: str, prompts) -> list[list[tuple[str, float]]]:
     """Per prompt, its references' (text, smallest lead): one chunk of ``N``, and for a long prompt
     also ``N-1`` then one token."""
-    import hashlib
-
-    import vllm
-
-    from services.models.cache import cache_dir
-
     ids = [p for _, p in prompts]
     longs = [i for i, (kind, _) in enumerate(prompts) if kind == "long"]
     work = [(i, ids[i], BUDGET) for i in range(len(ids))] + [(i, ids[i], len(ids[i]) - 1) for i in longs]
-    key = hashlib.sha256(json.dumps([work, model_path, vllm.__version__, OUTPUT_TOKENS, "leads"]).encode())
-    cached = cache_dir() / "chaos" / f"expected-{key.hexdigest()[:24]}.json"
+    cached = answers_path(model_path, work)
     if cached.exists():
         print(f"chaos: expected answers from {cached}", flush=True)
         rows = json.loads(cached.read_text())

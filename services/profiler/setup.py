@@ -49,8 +49,9 @@ def target_of(config: DeploymentConfig, worker_name: str | None) -> Target:
         raise ProfileSetupError(str(exc)) from None
     if not (path / "config.json").is_file():
         raise ProfileSetupError(f"model.path: {path} has no config.json (not a Hugging Face checkpoint)")
-    engine = config.engine_for(worker) if worker else config.engine
-    return Target(config.model, engine, worker, path)
+    if worker is None:
+        return Target(config.model, config.engine, None, path)
+    return Target(config.model_for(worker), config.engine_for(worker), worker, path)
 
 
 def grid_of(quick: bool, overrides: dict[str, Any]) -> Grid:
@@ -60,9 +61,14 @@ def grid_of(quick: bool, overrides: dict[str, Any]) -> Grid:
 
 
 def identity(target: Target, grid: Grid, seed: int) -> dict[str, Any]:
-    """Everything that changes what a point measures (not the grid's points themselves)."""
+    """Everything that changes what a point measures (not the grid's points themselves). The dtype is
+    the one the engine runs: ``auto`` is float32 on one CPU and bfloat16 on another of the same model
+    name (AVX-512 masked in a VM, say)."""
+    from services.engine.args import resolve_dtype
+
     return {"procedure": PROCEDURE_VERSION, "model": target.model.name, "max_model_len": target.model.max_model_len,
-            "dtype": target.model.dtype, "checkpoint": checkpoint_digest(target.model_path),
+            "dtype": resolve_dtype(target.model.dtype, target.model_path),
+            "checkpoint": checkpoint_digest(target.model_path),
             "engine": asdict(target.engine), "env": target.env, "vllm": vllm_version(), "device": device(),
             "repeats": grid.repeats, "decode_steps": grid.decode_steps, "seed": seed}
 

@@ -94,14 +94,21 @@ def _reference(model_path: str, prompts, budgets, max_tokens: int, cpu: int | st
 def _cache_path(code: str, env: dict, model_path: str, prompts, budgets) -> Path | None:
     if os.environ.get("PRFAAS_REFERENCE_CACHE", "1") == "0":
         return None
+    key = hashlib.sha256(json.dumps({
+        "code": code, "env": env, "prompts": prompts, "budgets": budgets, **engine_identity(model_path),
+    }, sort_keys=True).encode()).hexdigest()
+    return cache_dir() / "references" / f"{key[:32]}.json"
+
+
+def engine_identity(model_path: str) -> dict:
+    """What decides a reference engine's numbers besides its script (which names the dtype), inputs
+    and settings: the checkpoint's files, vLLM's and torch's versions, the CPU model and its flags. A
+    cache of answers derived from references (bench/chaos.py's) keys on it and the dtype."""
     import torch
     import vllm
 
-    key = hashlib.sha256(json.dumps({
-        "code": code, "env": env, "prompts": prompts, "budgets": budgets, "checkpoint": _checkpoint_digest(model_path),
-        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": _cpu_identity(),
-    }, sort_keys=True).encode()).hexdigest()
-    return cache_dir() / "references" / f"{key[:32]}.json"
+    return {"checkpoint": _checkpoint_digest(model_path), "vllm": vllm.__version__, "torch": torch.__version__,
+            "cpu": _cpu_identity()}
 
 
 @functools.cache

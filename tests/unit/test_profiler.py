@@ -346,3 +346,23 @@ def test_an_unbound_tp1_engine_gets_the_cpus_vllm_would_give_its_worker():
     assert model_in_engine_core(1, env) and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == before
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
                    "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true"}
+
+
+def test_a_worker_is_profiled_in_its_own_dtype_and_the_cache_keys_on_the_dtype_it_runs(tmp_path, monkeypatch):
+    from services.config import parse_config
+    from services.engine import args
+    from services.profiler.grid import QUICK
+    from services.profiler.setup import identity, target_of
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    config = parse_config({"model": {"name": "m", "path": str(tmp_path)},
+                           "workers": [{"name": "d0", "port": 50071},
+                                       {"name": "p0", "port": 50072, "dtype": "float32"}]})
+    assert target_of(config, "p0").model.dtype == "float32"
+    assert target_of(config, "d0").model.dtype == "auto"
+    monkeypatch.setattr(args, "_has_gpu", lambda: False)
+    keys = {}
+    for flags in (frozenset({"avx2"}), frozenset({"avx2", "avx512_bf16"})):
+        monkeypatch.setattr(args, "_cpu_flags", lambda flags=flags: flags)
+        keys[flags] = identity(target_of(config, "d0"), QUICK, 0)["dtype"]
+    assert sorted(keys.values()) == ["bfloat16", "float32"]

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import httpx
+
 MOMENTS = ("prefill", "transfer", "decode")
 
 
@@ -36,6 +38,19 @@ class Held:
     @property
     def idle(self) -> bool:
         return self.active == 0 and self.kv_cache_usage == 0.0 and self.receiving == 0 and self.sending == 0
+
+
+def step_seconds(base_url: str, api_key: str, body: dict, timeout_s: float = 300.0) -> float:
+    """Seconds the deployment takes to answer ``body`` (a completion, sent here with one token and
+    unstreamed; its prompt must not be cached): about the longest engine step that a request of that
+    prompt, abandoned, can leave running. An engine finishes the step it is computing before it sees
+    an abort, and the prefill worker's KV send stays pending until then: a settle check allows this
+    on top of its own bound, which a slower host (float32 engines, AVX2) would miss otherwise."""
+    started = time.monotonic()
+    response = httpx.post(base_url.rstrip("/") + "/v1/completions", json={**body, "max_tokens": 1, "stream": False},
+                          headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout_s)
+    response.raise_for_status()
+    return time.monotonic() - started
 
 
 def abandon(base_url: str, api_key: str, body: dict, hang_up: Callable[[bytes], bool],

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +24,7 @@ from prfaas.v1 import worker_pb2 as pb
 from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from support.baseline import colocated_greedy
-from support.deployment import Deployment, deployment_config, wait_until
+from support.deployment import Deployment, at_rest, deployment_config, wait_until
 from support.ports import free_port
 from support.prose import corpus, tokenize
 
@@ -140,7 +139,7 @@ def test_a_worker_stores_the_kv_it_received_over_the_transport_in_its_pool(smol)
     the last prompt token and stores the blocks it received, so a next turn there is a pool hit."""
     deployment, _, _ = smol
     prompt = corpus()[3500:3500 + 4 * BLOCK + 10]  # shares no block with A's or B's prompts
-    before = _stored_by_pd_b_at_rest(deployment)
+    before = at_rest(lambda: _stored_by_pd_b(deployment))
     replies = _stream_from_pd_a_to_pd_b(deployment, prompt)
     assert sum(len(r.token_ids) for r in replies) == OUTPUT_TOKENS
     assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
@@ -158,20 +157,6 @@ def _stored_by_pd_b(deployment) -> int:
     with deployment.security.channel(f"127.0.0.1:{port}") as channel:
         list(pb_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60))
     return deployment.worker_stats("pd-b").kv_pool_tokens_stored
-
-
-def _stored_by_pd_b_at_rest(deployment, timeout_s: float = 10.0) -> int:
-    """pd-b's stored-token count once two readings half a second apart agree (longer than the stats'
-    publishing interval): an earlier test's request may still be storing its blocks, and a count read
-    before that store lands would make the next test's expected total wrong."""
-    deadline, last = time.monotonic() + timeout_s, _stored_by_pd_b(deployment)
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        current = _stored_by_pd_b(deployment)
-        if current == last:
-            return current
-        last = current
-    raise AssertionError(f"pd-b's stored-token count kept changing for {timeout_s:.0f} s (now {last})")
 
 
 def _stream_from_pd_a_to_pd_b(deployment, prompt: list[int]) -> list[pb.GenerateResponse]:
@@ -255,7 +240,7 @@ def test_a_hybrid_prompt_streamed_between_workers_is_exact_and_stored(hybrid):
     computes the last token, answers as the reference does and stores the blocks it received."""
     deployment, prompts, expected = hybrid
     prompt = prompts["streamed"]
-    before = _stored_by_pd_b_at_rest(deployment)
+    before = at_rest(lambda: _stored_by_pd_b(deployment))
     replies = _stream_from_pd_a_to_pd_b(deployment, prompt)
     assert max(r.num_cached_tokens for r in replies) == len(prompt) - 1  # received, not computed
     assert "".join(r.text for r in replies) == expected["streamed"]

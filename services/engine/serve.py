@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from vllm.utils.gc_utils import freeze_gc_heap
 
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
@@ -84,6 +85,11 @@ async def serve_worker(
         if stop.is_set():
             return
         shm_ledger.record(ledger)
+        # What start-up built (vLLM, torch, the tokenizer: millions of objects) stays for the process's
+        # life: frozen, the collector skips it while serving, as vLLM's own API server does once it is up,
+        # and at exit (a full collection of it kept a stopping worker's process 1-2.6 s past its last log
+        # line on the 2-core machine; 0.3 s frozen).
+        freeze_gc_heap()
         await _set_health(health_servicer, service_name, SERVING)
         logger.info("%s %s ready", worker.service, worker.name)
         await _watch_engine(engine, stop)

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import DeploymentConfig
-from services.procs import supervised_env
+from services.procs import group_alive, supervised_env
 from services.security import GrpcSecurity
 
 STOP_TIMEOUT_S = 40.0
@@ -122,11 +122,7 @@ def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
 
 def _wait_group_empty(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+    while time.monotonic() < deadline and group_alive(pgid):
         time.sleep(0.1)
 
 

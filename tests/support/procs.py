@@ -1,44 +1,13 @@
 """The machine's process table, read from /proc: what tests and benchmarks check for leftovers."""
 from __future__ import annotations
 
-import os
 import subprocess
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class Process:
-    pid: int
-    state: str      # R, S, D, Z (zombie), ...
-    ppid: int
-    pgid: int
-    sid: int
-
-    @property
-    def alive(self) -> bool:
-        return self.state != "Z"
-
-
-def processes() -> list[Process]:
-    """Every process now (one that ends while it is read is left out)."""
-    table = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            table.append(Process(int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[4])))
-    return table
+from services.procs import group_alive, processes  # noqa: F401  (group_alive: for the tests)
 
 
 def group_pids(pgid: int) -> list[int]:
     return [p.pid for p in processes() if p.pgid == pgid]
-
-
-def group_alive(pgid: int) -> bool:
-    """Any live (non-zombie) process left in the process group."""
-    return any(p.alive for p in processes() if p.pgid == pgid)
 
 
 def descendants(root: int) -> list[int]:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from services.engine.cpus import fork_engine_core
 from services.worker_api.types import EngineStats, GenerateInput, Sampling, TokenDelta
 from services.kv_connector.params import KvTransfer
 from services.kv_connector.stats_file import read_stats
@@ -16,22 +17,32 @@ logger = logging.getLogger(__name__)
 class Engine:
     """One vLLM engine. ``start`` blocks until the engine is ready (~30 s for a tiny model on CPU)."""
 
-    def __init__(self, engine_args: Any, stats_dir: Path | None = None) -> None:
+    def __init__(self, engine_args: Any, stats_dir: Path | None = None, fork_core: bool = False) -> None:
         """``stats_dir``: where the engine's connector writes its telemetry (the ``stats_dir`` of its
-        ``kv_transfer_config``); None: it comes with vLLM's stats, on engine steps only."""
+        ``kv_transfer_config``); None: it comes with vLLM's stats, on engine steps only. ``fork_core``:
+        fork vLLM's engine-core process from this one (``services.engine.cpus.engine_core_forks``)."""
         self._engine_args = engine_args
         self._stats_dir = stats_dir
+        self._fork_core = fork_core
         self._llm = None
         self._stats = EngineStats()
         self._active: set[str] = set()
         self.layout_spec = b""  # what GetStats announces: the rank-0 LayoutSpec once started, b"" if unknown
 
     async def start(self) -> None:
+        """Start the engine (blocking this process, its event loop included, until it is ready); as
+        ``AsyncLLM.from_engine_args``, with the engine-core process forked where ``fork_core``."""
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
-        self._llm = AsyncLLM.from_engine_args(
-            self._engine_args, stat_loggers=[self._stat_logger_factory()]
-        )
+        args, context = self._engine_args, UsageContext.ENGINE_CONTEXT
+        vllm_config = args.create_engine_config(context)
+        if self._fork_core:
+            fork_engine_core()
+        self._llm = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                             log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                             usage_context=context, stat_loggers=[self._stat_logger_factory()])
         self.layout_spec = announced_layout(self._llm.vllm_config)
         logger.info("engine ready: %s", self._engine_args.model)
 

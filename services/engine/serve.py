@@ -1,14 +1,20 @@
 """Process runtime shared by both worker services: gRPC server, health, engine, shutdown.
 
-The gRPC server starts first and reports NOT_SERVING on the standard health service until the
-engine is ready, so orchestrators can probe liveness during the ~30 s engine start. SIGTERM or
-SIGINT stops accepting new calls and gives in-flight ones ``grace_s`` to finish.
+The engine starts first (its start blocks the process for ~20 s with a tiny model on CPU, minutes
+with a large one on a GPU), then the gRPC server binds and reports SERVING on the standard health
+service: vLLM may fork its engine-core process from the worker's, and gRPC's core does not survive
+a fork, so the worker starts no gRPC before it. Orchestrators probe start-up with a startup probe
+(refused connections until then); the ports are checked free before the engine loads. SIGTERM or
+SIGINT stops accepting new calls and gives in-flight ones ``grace_s`` to finish (during the engine's
+start: once it is up).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +25,7 @@ from vllm.utils.gc_utils import freeze_gc_heap
 from services.config import DeploymentConfig, WorkerConfig
 from services.engine.args import engine_args, kv_transfer_config
 from services.engine import ipc_dir, shm_ledger
-from services.engine.cpus import confine_worker, model_in_engine_core
+from services.engine.cpus import confine_worker, engine_core_forks, model_in_engine_core
 from services.engine.engine import Engine
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
@@ -59,30 +65,22 @@ async def serve_worker(
 ) -> None:
     """Run one worker until SIGTERM/SIGINT. ``add_servicer`` registers the service, returns its name."""
     confine_worker()
-    model_in_engine_core(config.engine_for(worker).tensor_parallel_size)
-    security = GrpcSecurity.of(config)
-    guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
-    server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    fork_core = engine_core_forks(model_in_engine_core(config.engine_for(worker).tensor_parallel_size))
+    _check_free(worker.host, [worker.port, worker.health_port])
     ipc = ipc_dir.prepare()
     engine = Engine(engine_args(config.model_for(worker), config.engine_for(worker),
                                 kv_transfer_config=kv_transfer_config(config, worker, stats_dir=ipc)),
-                    stats_dir=ipc)
-    service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
-    address = f"{worker.host}:{worker.port}"
-    if security.add_port(server, address) == 0:
-        raise OSError(f"cannot bind gRPC port {address}")
-    probes = await _start_health_port(health_servicer, worker.host, worker.health_port, security)
-    await server.start()
-    logger.info("%s %s listening on %s (%s); starting engine", worker.service, worker.name, address,
-                _describe(security))
-    stop = _stop_event()
+                    stats_dir=ipc, fork_core=fork_core)
     ledger = shm_ledger.ledger_path(worker.name, worker.host, worker.port)
     shm_ledger.sweep(ledger)
+    server = probes = None
     try:
-        await _start_engine(engine, stop)
-        if stop.is_set():
+        # The engine first: vLLM may fork its engine-core process from this one (always on a GPU host,
+        # and here where engine_core_forks), which must not have started gRPC's threads by then.
+        logger.info("%s %s starting engine", worker.service, worker.name)
+        with _signals_held() as asked:
+            await engine.start()
+        if asked:
             return
         shm_ledger.record(ledger)
         # What start-up built (vLLM, torch, the tokenizer: millions of objects) stays for the process's
@@ -90,20 +88,64 @@ async def serve_worker(
         # and at exit (a full collection of it kept a stopping worker's process 1-2.6 s past its last log
         # line on the 2-core machine; 0.3 s frozen).
         freeze_gc_heap()
+        security = GrpcSecurity.of(config)
+        guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
+        server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        service_name = add_servicer(engine, WorkerIdentity.of(config, worker), server, guard)
+        address = f"{worker.host}:{worker.port}"
+        if security.add_port(server, address) == 0:
+            raise OSError(f"cannot bind gRPC port {address}")
         await _set_health(health_servicer, service_name, SERVING)
-        logger.info("%s %s ready", worker.service, worker.name)
+        probes = await _start_health_port(health_servicer, worker.host, worker.health_port, security)
+        await server.start()
+        stop = _stop_event()
+        logger.info("%s %s ready: listening on %s (%s)", worker.service, worker.name, address, _describe(security))
         await _watch_engine(engine, stop)
         await _set_health(health_servicer, service_name, NOT_SERVING)
         logger.info("%s %s stopping: draining for up to %.0f s", worker.service, worker.name, grace_s)
         await server.stop(grace_s)
     finally:
-        await server.stop(0)
+        if server is not None:
+            await server.stop(0)
         if probes is not None:
             await probes.stop(0)
         engine.shutdown()
         ipc_dir.remove(ipc)
         shm_ledger.forget(ledger)
         logger.info("%s %s stopped", worker.service, worker.name)
+
+
+def _check_free(host: str, ports: list[int | None]) -> None:
+    """Fail at once, not after the engine loaded, when another process listens on a port the worker
+    will serve (the gRPC server binds only once the engine is up)."""
+    host = host.strip("[]")
+    for port in ports:
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: past TIME_WAIT
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT while the engine starts (which blocks the event loop) are remembered, in the
+    list this yields, and acted on once it is up. Plain handlers, not the event loop's: a process
+    forked meanwhile (vLLM's engine core) must not inherit the loop's wakeup socket, through which its
+    own signals would reach this process's loop."""
+    asked: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: asked.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield asked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def _start_health_port(servicer: health.aio.HealthServicer, host: str, port: int | None,
@@ -124,17 +166,6 @@ def _describe(security: GrpcSecurity) -> str:
     parts = ["mutual TLS" if security.uses_tls else "plaintext",
              "bearer token required" if security.checks_token else "NO token check"]
     return ", ".join(parts)
-
-
-async def _start_engine(engine: Engine, stop: asyncio.Event) -> None:
-    start = asyncio.ensure_future(engine.start())
-    waiter = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if not start.done():
-        start.cancel()
-        return
-    start.result()
 
 
 async def _watch_engine(engine: Engine, stop: asyncio.Event) -> None:

@@ -38,6 +38,12 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # poll's timeout apart) are a hang or a dead link.
 UNANSWERED_POLLS = 2
 MIN_RECHECK_S = 0.25  # a down worker is polled at most this often
+# A worker's port is closed while its engine loads (services.engine.serve) or while it restarts; gRPC
+# waits longer after each refused connection before it dials again (1 s growing by 1.6x, to 120 s by
+# default), and calls fail at once meanwhile: a port closed for 11 s, the worker was seen 5.3-5.8 s
+# after it opened (tests/unit/test_router_reconnect.py), 1.0 s with these. A dial each second at most.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class WorkerUnavailable(Exception):
@@ -489,7 +495,7 @@ class WorkerPool:
 
 def _connect(worker: WorkerConfig, backoff: BackoffConfig, flippable: bool, security: GrpcSecurity,
              max_handoffs: int) -> WorkerHandle:
-    channel = security.aio_channel(f"{worker.host}:{worker.port}")
+    channel = security.aio_channel(f"{worker.host}:{worker.port}", options=RECONNECT_OPTIONS)
     decode = pb_grpc.DecodeWorkerStub(channel) if worker.service == "decode_worker" else None
     prefills = worker.service == "prefill_worker" or worker.role in ("prefill", "both") or (
         flippable and decode is not None and worker.kv_port is not None)

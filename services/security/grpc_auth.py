@@ -15,7 +15,7 @@ import collections
 import hmac
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,12 +93,13 @@ class GrpcSecurity:
 
     # Channels -------------------------------------------------------------------------------------
 
-    def aio_channel(self, address: str) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Channel:
+        """``options``: gRPC channel arguments added to the security ones."""
         interceptors = _AioTokenSender.kinds(self.token) if self.token else None
         if self.uses_tls:
-            return grpc.aio.secure_channel(address, self._channel_credentials(), options=self.options,
+            return grpc.aio.secure_channel(address, self._channel_credentials(), options=[*self.options, *options],
                                            interceptors=interceptors)
-        return grpc.aio.insecure_channel(address, options=self.options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=[*self.options, *options], interceptors=interceptors)
 
     def channel(self, address: str) -> grpc.Channel:
         """A blocking channel (health probes, tests, tools)."""

@@ -1,7 +1,8 @@
-"""Time how long a test deployment takes to stop: a PrfaaS prefill worker, a decode worker (the tiny
-hybrid model, one CPU each) and the router are started as the e2e tests start them, then stopped
-(SIGTERM to every service's process group, each waited for until no live process is left in it).
-Every e2e module pays this once per deployment in its teardown.
+"""Time how long a test deployment takes to start and to stop: a PrfaaS prefill worker, a decode
+worker (the tiny hybrid model, one CPU each) and the router are started as the e2e tests start them
+(until the router sees both workers serving), then stopped (SIGTERM to every service's process
+group, each waited for until no live process is left in it). Every e2e module pays both once per
+deployment.
 
     .venv/bin/python scripts/time_deployment_stop.py [--rounds 3]
 """
@@ -31,15 +32,19 @@ def main() -> int:
                 "engine": engine, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}]
     config = deployment_config(workers, model_path="builtin:tiny-qwen3-next", model_name="tiny-qwen3-next",
                                scheduler={"offload_threshold_tokens": 200}, transport={"secret": "stop-time"})
-    stops = []
+    starts, stops = [], []
     for round_id in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="prfaas-stop-") as directory:
             print(f"round {round_id + 1}/{args.rounds}: starting ...", file=sys.stderr, flush=True)
+            start = time.monotonic()
             deployment = Deployment(config, Path(directory)).start()
+            starts.append(time.monotonic() - start)
             start = time.monotonic()
             deployment.stop()
             stops.append(time.monotonic() - start)
-            print(f"round {round_id + 1}/{args.rounds}: stopped in {stops[-1]:.2f} s", file=sys.stderr, flush=True)
+            print(f"round {round_id + 1}/{args.rounds}: started in {starts[-1]:.2f} s, stopped in {stops[-1]:.2f} s",
+                  file=sys.stderr, flush=True)
+    print(f"deployment start, seconds: {' '.join(f'{s:.2f}' for s in starts)}")
     print(f"deployment stop, seconds: {' '.join(f'{s:.2f}' for s in stops)}")
     return 0
 

@@ -69,7 +69,10 @@ class GrpcSecurity:
     def options(self) -> list[tuple[str, int | str]]:
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", self.max_message_bytes),
-                   ("grpc.max_concurrent_streams", self.max_concurrent_streams)]
+                   ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+                   # a server refuses a port another process listens on (gRPC shares it by default,
+                   # SO_REUSEPORT, so a second worker or pool on a taken port would get half its calls)
+                   ("grpc.so_reuseport", 0)]
         if self.uses_tls and self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return options

@@ -48,6 +48,23 @@ def test_a_port_in_use_fails_the_start_before_the_engine_loads():
     _check_free("127.0.0.1", [port, None])  # closed again: free
 
 
+def test_a_port_another_grpc_server_listens_on_fails_the_start_though_grpc_would_share_it():
+    from concurrent import futures
+
+    import grpc
+
+    other = grpc.server(futures.ThreadPoolExecutor(1))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(1))
+        assert second.add_insecure_port(f"127.0.0.1:{port}") == port  # SO_REUSEPORT: gRPC binds it again
+        with pytest.raises(OSError, match="Address already in use"):
+            _check_free("127.0.0.1", [port])
+    finally:
+        other.stop(0)
+
+
 def test_a_sigterm_during_the_start_is_remembered_and_the_handler_restored():
     before = signal.getsignal(signal.SIGTERM)
     with _signals_held() as asked:
@@ -55,3 +72,22 @@ def test_a_sigterm_during_the_start_is_remembered_and_the_handler_restored():
         os.kill(os.getpid(), signal.SIGINT)
     assert asked == [signal.SIGTERM, signal.SIGINT]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_pool_or_worker_server_refuses_a_port_another_server_listens_on():
+    from concurrent import futures
+
+    import grpc
+
+    from services.security import GrpcSecurity
+
+    options = GrpcSecurity().options
+    first = grpc.server(futures.ThreadPoolExecutor(1), options=options)
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(1), options=options)
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            second.add_insecure_port(f"127.0.0.1:{port}")
+    finally:
+        first.stop(0)

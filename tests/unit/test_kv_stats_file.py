@@ -50,8 +50,12 @@ def test_a_transfer_on_the_wire_is_reported_while_nothing_steps_the_engine(tmp_p
         while sending.is_alive() or received < len(payload):
             received += sum(len(e.payload) for e in rx.poll(0.05) if hasattr(e, "payload"))
         sending.join()
-        done = wait_for(lambda: (s := read_stats(tmp_path)) and s.transport.peers[0].transfers_sent == 1 and s)
-        assert done.transport.peers[0].bytes_sent >= len(payload)
+        # the end marker may leave on one connection while the last frame's bytes still go out on the
+        # other (counted once written; seen once: 250,112 bytes short in a snapshot showing the transfer
+        # sent): both counts, at most a publish later
+        done = wait_for(lambda: (s := read_stats(tmp_path)) and s.transport.peers[0].transfers_sent == 1
+                        and s.transport.peers[0].bytes_sent >= len(payload) and s)
+        assert done.transport.peers[0].frames_sent == len(payload) // (1 << 18) + 1  # and the end marker
     finally:
         publisher.close()
         tx.close()

@@ -80,6 +80,7 @@ async def serve_worker(
         logger.info("%s %s starting engine", worker.service, worker.name)
         with _signals_held() as asked:
             await engine.start()
+            stop = _stop_event()  # the event loop's handlers from now on: the engine core is started
         if asked:
             return
         shm_ledger.record(ledger)
@@ -100,7 +101,6 @@ async def serve_worker(
         await _set_health(health_servicer, service_name, SERVING)
         probes = await _start_health_port(health_servicer, worker.host, worker.health_port, security)
         await server.start()
-        stop = _stop_event()
         logger.info("%s %s ready: listening on %s (%s)", worker.service, worker.name, address, _describe(security))
         await _watch_engine(engine, stop)
         await _set_health(health_servicer, service_name, NOT_SERVING)
@@ -137,15 +137,20 @@ def _signals_held():
     """SIGTERM and SIGINT while the engine starts (which blocks the event loop) are remembered, in the
     list this yields, and acted on once it is up. Plain handlers, not the event loop's: a process
     forked meanwhile (vLLM's engine core) must not inherit the loop's wakeup socket, through which its
-    own signals would reach this process's loop."""
+    own signals would reach this process's loop. On leaving, a handler installed meanwhile (the loop's)
+    stays; the earlier one comes back where none was."""
     asked: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: asked.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def hold(signum, frame) -> None:
+        asked.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield asked
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) is hold:
+                signal.signal(sig, handler)
 
 
 async def _start_health_port(servicer: health.aio.HealthServicer, host: str, port: int | None,

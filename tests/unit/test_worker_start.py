@@ -91,3 +91,21 @@ def test_a_pool_or_worker_server_refuses_a_port_another_server_listens_on():
             second.add_insecure_port(f"127.0.0.1:{port}")
     finally:
         first.stop(0)
+
+
+def test_the_event_loops_handlers_installed_during_the_start_stay():
+    import asyncio
+
+    async def start() -> bool:
+        with _signals_held():
+            loop = asyncio.get_running_loop()
+            stop = asyncio.Event()
+            loop.add_signal_handler(signal.SIGTERM, stop.set)
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            await asyncio.wait_for(stop.wait(), 5)
+            return stop.is_set()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    assert asyncio.run(start())

@@ -61,6 +61,9 @@ def process_alive(pid: int) -> bool:
 # process that started it dies, even by SIGKILL (the OOM killer, a timeout), so that it drains and
 # stops as on an operator's SIGTERM instead of holding its ports and memory for nobody.
 SUPERVISOR_PID = "PRFAAS_SUPERVISOR_PID"
+# In the router started by `prfaas up`: the file where `up` counts its restarts of each service
+# (services/launcher/watch.py), which the router exports on /metrics.
+LAUNCHER_STATS = "PRFAAS_LAUNCHER_STATS"
 _PR_SET_PDEATHSIG = 1
 
 

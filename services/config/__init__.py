@@ -11,6 +11,7 @@ from services.config.schema import (
     RoleFlipsConfig,
     RouterConfig,
     SchedulerConfig,
+    SupervisorConfig,
     WorkerConfig,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "RoleFlipsConfig",
     "RouterConfig",
     "SchedulerConfig",
+    "SupervisorConfig",
     "WorkerConfig",
     "load_config",
     "parse_config",

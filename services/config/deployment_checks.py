@@ -29,6 +29,22 @@ def check_deployment(config: DeploymentConfig) -> None:
             raise ConfigError(f"security.{key}: must be positive, got {getattr(config.security, key)!r}")
     check_scheduler(config.scheduler)
     _check_workers(config)
+    _check_stop_and_restart(config)
+
+
+def _check_stop_and_restart(config: DeploymentConfig) -> None:
+    if not config.router.drain_timeout_s >= 0:
+        raise ConfigError(f"router.drain_timeout_s: must be 0 or positive, got {config.router.drain_timeout_s!r}")
+    supervisor = config.supervisor
+    for key in ("restart_backoff_s", "max_restart_backoff_s", "crash_loop_window_s"):
+        if not getattr(supervisor, key) >= 0:
+            raise ConfigError(f"supervisor.{key}: must be 0 or positive, got {getattr(supervisor, key)!r}")
+    if supervisor.max_restart_backoff_s < supervisor.restart_backoff_s:
+        raise ConfigError(f"supervisor.max_restart_backoff_s: {supervisor.max_restart_backoff_s!r} is below "
+                          f"supervisor.restart_backoff_s ({supervisor.restart_backoff_s!r})")
+    if supervisor.crash_loop_restarts < 0:
+        raise ConfigError("supervisor.crash_loop_restarts: must be 0 (stop at the first exit) or positive, got "
+                          f"{supervisor.crash_loop_restarts!r}")
 
 
 def _check_workers(config: DeploymentConfig) -> None:

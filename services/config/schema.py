@@ -113,6 +113,10 @@ class RouterConfig:
         "worker would otherwise fill decode workers' caches with space for KV still far off and stall their "
         "local requests. A waiting request is prefilled locally if its prefill worker stops answering health "
         "checks. 0: no limit.")
+    drain_timeout_s: float = _opt(
+        30.0, "On SIGTERM or SIGINT (as `prfaas up` stops it) the router answers new requests 503 with "
+        "`Retry-After` and gives the requests in flight this long to finish; a stream still going then ends with "
+        "an OpenAI-shaped error event before `[DONE]`, and a non-streamed request gets a 503 with an error body.")
     max_body_bytes: int | None = _opt(
         None, "Largest HTTP request body; larger ones are answered 413 before they are read or parsed. Null: "
         "32 bytes per token of `model.max_model_len` plus 1 MiB (room for the longest prompt as JSON text or "
@@ -312,6 +316,22 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    restart: Literal["on-failure", "always", "never"] = _opt(
+        "on-failure", "What `prfaas up` does when a service exits without being asked to: `on-failure` restarts "
+        "it after a non-zero exit status or a signal (a clean exit, status 0, stops the deployment), `always` "
+        "restarts it after any exit, `never` stops the deployment. The other services keep serving meanwhile. "
+        "Only `prfaas up` reads this section (under Kubernetes the pod's `restartPolicy` does this).")
+    restart_backoff_s: float = _opt(1.0, "Wait before the first restart of a service; it doubles with each "
+                                    "further restart within `crash_loop_window_s`.")
+    max_restart_backoff_s: float = _opt(30.0, "Longest wait before a restart.")
+    crash_loop_restarts: int = _opt(
+        5, "A service that exits again after this many restarts within `crash_loop_window_s` is in a crash "
+        "loop: `prfaas up` stops the deployment and prints that service's last log lines.")
+    crash_loop_window_s: float = _opt(60.0, "The window, in seconds, that `crash_loop_restarts` counts in.")
+
+
+@dataclass(frozen=True, slots=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level of every service.")
     json: bool = _opt(False, "One JSON object per log line instead of plain text.")
@@ -327,6 +347,7 @@ class DeploymentConfig:
     cache_pools: tuple[CachePoolConfig, ...] = _opt(
         (), "Hybrid prefix cache pools (`prfaas cache-pool`), at most one per cluster.")
     scheduler: SchedulerConfig = _opt(SchedulerConfig(), "Where each request's prefill runs.")
+    supervisor: SupervisorConfig = _opt(SupervisorConfig(), "How `prfaas up` restarts a service that exits.")
     logging: LoggingConfig = _opt(LoggingConfig(), "Logging of every service.")
     security: SecurityConfig = _opt(
         SecurityConfig(), "Who may call each port: the gRPC bearer token (mutual TLS with `transport.tls_*`, "

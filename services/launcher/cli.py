@@ -9,6 +9,7 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
 START_TIMEOUT_S = 600.0
+ROUTER_EXIT_S = 10.0  # after router.drain_timeout_s, for its streams' error events and its exit
 
 
 def register(subparsers) -> None:
@@ -16,9 +17,17 @@ def register(subparsers) -> None:
         "up",
         help="start every service of a deployment on this machine (default: the embedded CPU deployment)",
         description="Start the router, every worker and every cache pool (`cache_pools:`) of the deployment "
-        "config as separate processes, "
-        "wait until all are healthy, print the endpoint, and stop them all on Ctrl-C or SIGTERM "
-        "(killed outright, it leaves each service a SIGTERM from the kernel: they drain and stop). "
+        "config as separate processes, wait until all are healthy, print the endpoint, and keep them running. "
+        "Restart: a service that exits without being asked to is restarted after a backoff while the others keep "
+        "serving (supervisor.restart: on-failure by default; supervisor.restart_backoff_s doubling up to "
+        "supervisor.max_restart_backoff_s); one that exits again after supervisor.crash_loop_restarts restarts "
+        "within supervisor.crash_loop_window_s stops the deployment, with its last log lines. Restarts are logged "
+        "here and counted in the router's /metrics (prfaas_launcher_restarts_total). "
+        "Stop: Ctrl-C or SIGTERM drains, in order: the router first (new requests get 503 with Retry-After; those "
+        "in flight get router.drain_timeout_s to finish, then a stream still going ends with an error event), "
+        "then the workers, each draining its own calls before it stops its engine (up to 40 s), then the cache "
+        "pools. A second Ctrl-C or SIGTERM kills what is left at once. Killed outright, `up` leaves each service "
+        "a SIGTERM from the kernel: they drain and stop. "
         "Each service's log goes to <logging.dir>/<name>.log.",
     )
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -33,6 +42,8 @@ def _run(args) -> int:
     from services.config import ConfigError, load_config
     from services.engine.args import resolve_model_path
     from services.launcher import supervisor
+    from services.launcher.watch import STATS_FILE, Watch
+    from services.procs import LAUNCHER_STATS
 
     from services.security import check_listeners
     from services.security.exposure import deployment_listeners
@@ -54,24 +65,49 @@ def _run(args) -> int:
     print(f"preparing model {config.model.name} ({config.model.path}) ...", flush=True)
     resolve_model_path(config.model)
     children = supervisor.children_for(config, args.config.resolve(), log_dir)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    stats_path = log_dir / STATS_FILE
+    children[-1].env = {LAUNCHER_STATS: str(stats_path.resolve())}  # the router exports the restart counts
+    stop = _StopRequest()
+    signal.signal(signal.SIGTERM, stop.ask)
+    signal.signal(signal.SIGINT, stop.ask)
     try:
         for child in children:
             child.start()
             print(f"started {child.name} (pid {child.process.pid}), log: {child.log_path}", flush=True)
-        if not _wait_healthy(config, children, args.start_timeout, stopping):
+        if not _wait_healthy(config, children, args.start_timeout, stop):
             return 1
         _print_ready(config)
-        while not stopping and not any(c.exited for c in children):
-            time.sleep(0.5)
-        return _report_exit(children, stopping)
-    except KeyboardInterrupt:
+        watch = Watch(children, config.supervisor, stats_path, say=lambda line: print(line, flush=True))
+        while not stop.asked:
+            if reason := watch.poll():
+                print(reason, file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.25)
         return 0
     finally:
-        print("stopping all services ...", flush=True)
-        supervisor.stop_all(children)
-        print("stopped", flush=True)
+        print(f"stopping: the router drains (up to {config.router.drain_timeout_s:.0f} s), then the workers, then "
+              "the cache pools; Ctrl-C again stops at once ...", flush=True)
+        supervisor.stop_all(children, stage_timeouts_s={supervisor.ROUTER_STAGE: config.router.drain_timeout_s
+                                                        + ROUTER_EXIT_S}, hurry=lambda: stop.immediate)
+        print("stopped" + (" at once" if stop.immediate else ""), flush=True)
+
+
+class _StopRequest:
+    """The first SIGTERM or SIGINT asks for a draining stop; a second one for an immediate one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def ask(self, signum, frame) -> None:
+        self.count += 1
+
+    @property
+    def asked(self) -> bool:
+        return self.count > 0
+
+    @property
+    def immediate(self) -> bool:
+        return self.count > 1
 
 
 def _write_credentials(log_dir: Path, variables: dict[str, str]) -> Path:
@@ -84,7 +120,7 @@ def _write_credentials(log_dir: Path, variables: dict[str, str]) -> Path:
     return path
 
 
-def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
+def _wait_healthy(config, children, timeout_s: float, stop: _StopRequest) -> bool:
     from services.launcher import supervisor
 
     from services.security import GrpcSecurity
@@ -93,7 +129,7 @@ def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
     pending = supervisor.grpc_endpoints(config)
     deadline = time.monotonic() + timeout_s
     next_note = 0.0
-    while time.monotonic() < deadline and not stopping:
+    while time.monotonic() < deadline and not stop.asked:
         if failed := [c for c in children if c.exited]:
             print(f"prfaas: {failed[0].name} exited during start-up; last log lines:\n{failed[0].log_tail()}",
                   file=sys.stderr)
@@ -106,7 +142,7 @@ def _wait_healthy(config, children, timeout_s: float, stopping: list) -> bool:
             print(f"waiting for {waiting} (vLLM engines take ~30-60 s to start on CPU) ...", flush=True)
             next_note = time.monotonic() + 10
         time.sleep(1.0)
-    if not stopping:
+    if not stop.asked:
         print(f"prfaas: services not healthy after {timeout_s:.0f} s; see the logs", file=sys.stderr)
     return False
 
@@ -122,12 +158,3 @@ def _print_ready(config) -> None:
   curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{config.model.name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
 """, flush=True)  # noqa: E501  (a command to copy, on one line)
-
-
-def _report_exit(children, stopping: list) -> int:
-    if stopping:
-        return 0
-    dead = next(c for c in children if c.exited)
-    print(f"prfaas: {dead.name} exited (code {dead.process.returncode}); last log lines:\n{dead.log_tail()}",
-          file=sys.stderr)
-    return 1

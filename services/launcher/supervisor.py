@@ -1,4 +1,4 @@
-"""Start a deployment's services as child processes, wait for health, stop them all cleanly."""
+"""Start a deployment's services as child processes, wait for health, stop them all cleanly, in order."""
 from __future__ import annotations
 
 import os
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,9 @@ STOP_TIMEOUT_S = 40.0
 GROUP_EXIT_S = 10.0  # after a service's main process exits, for the rest of its process group
 
 
+ROUTER_STAGE, WORKER_STAGE, POOL_STAGE = 0, 1, 2  # the order in which `stop_all` stops services
+
+
 @dataclass(slots=True)
 class Child:
     name: str
@@ -29,8 +33,12 @@ class Child:
     process: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
     env: dict[str, str] = field(default_factory=dict, repr=False)  # added to this process' environment
+    stage: int = ROUTER_STAGE
 
     def start(self) -> None:
+        """Start (or, after it exited, start again) in a process group of its own."""
+        if self.log_file is not None:
+            self.log_file.close()
         self.log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -46,16 +54,33 @@ class Child:
         except OSError:
             return ""
 
+    def signal(self, sig: int) -> None:
+        """``sig`` to the service's main process only: what it started (vLLM's engine core) is its to stop."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(sig)
+
+    def signal_group(self, sig: int) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def group_alive(self) -> bool:
+        return self.process is not None and group_alive(self.process.pid)
+
 
 def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> list[Child]:
     """Cache pools first (workers connect to their cluster's pool), then workers, then the router."""
     base = [sys.executable, "-m", "services.cli"]
     children = [Child(pool.name, base + ["cache-pool", "--config", str(config_path), "--name", pool.name],
-                      log_dir / f"{pool.name}.log") for pool in config.cache_pools]
+                      log_dir / f"{pool.name}.log", stage=POOL_STAGE) for pool in config.cache_pools]
     for worker in config.workers:
         command = "prefill-worker" if worker.service == "prefill_worker" else "decode-worker"
         argv = base + [command, "--config", str(config_path), "--name", worker.name]
-        children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log"))
+        children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log", stage=WORKER_STAGE))
     children.append(Child("router", base + ["router", "--config", str(config_path)], log_dir / "router.log"))
     return children
 
@@ -100,36 +125,32 @@ def router_healthy(host: str, port: int) -> bool:
         return False
 
 
-def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every child's process group, wait, then SIGKILL what is left."""
-    for child in reversed(children):
-        _signal_group(child, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
+def stop_all(children: list[Child], timeout_s: float = STOP_TIMEOUT_S, *,
+             stage_timeouts_s: dict[int, float] | None = None, hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stop in stages: the router first (it drains its HTTP requests), then the workers (each drains its
+    own gRPC calls, then stops its engine), then the cache pools. Each service's main process alone gets
+    SIGTERM, and a stage's services have ``stage_timeouts_s[stage]`` (else ``timeout_s``) to exit; the
+    rest of a service's process group then has a moment to follow before SIGKILL. Once ``hurry()`` is
+    true (a second Ctrl-C), whatever is left is killed at once."""
+    for stage in sorted({c.stage for c in children}):
+        members = [c for c in children if c.stage == stage and c.process is not None]
+        _stop_stage(members, (stage_timeouts_s or {}).get(stage, timeout_s), hurry)
+
+
+def _stop_stage(children: list[Child], timeout_s: float, hurry: Callable[[], bool]) -> None:
     for child in children:
-        if child.process is None:
-            continue
-        try:
-            child.process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        # The rest of the group (vLLM's engine processes, multiprocessing's resource tracker, which
-        # unlinks leaked shared memory once its parent exits) gets a moment to finish before SIGKILL.
-        _wait_group_empty(child.process.pid, min(GROUP_EXIT_S, max(0.0, deadline - time.monotonic())))
-        _signal_group(child, signal.SIGKILL)
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    _wait(lambda: all(c.exited for c in children), deadline, hurry)
+    # The rest of each group (vLLM's engine processes, multiprocessing's resource tracker, which
+    # unlinks leaked shared memory once its parent exits) gets a moment to finish before SIGKILL.
+    _wait(lambda: not any(c.group_alive for c in children), min(deadline, time.monotonic() + GROUP_EXIT_S), hurry)
+    for child in children:
+        child.signal_group(signal.SIGKILL)
         child.process.wait()
         child.log_file.close()
 
 
-def _wait_group_empty(pgid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and group_alive(pgid):
+def _wait(done: Callable[[], bool], deadline: float, hurry: Callable[[], bool]) -> None:
+    while time.monotonic() < deadline and not done() and not hurry():
         time.sleep(0.1)
-
-
-def _signal_group(child: Child, sig: int) -> None:
-    if child.process is None:
-        return
-    try:
-        os.killpg(child.process.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -14,6 +14,7 @@ from services.worker_api.types import GenerateInput
 from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
 from services.router.dispatch import Dispatcher, NoWorkerAvailable, Plan
+from services.router.drain import Drain, RouterStopping, stopping_error
 from services.router.errors import ApiError, bad_request, invalid_api_key, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import ApiRequest, parse_request, with_max_tokens
@@ -42,6 +43,7 @@ class RouterApp:
         self.metrics = metrics
         self.admission = admission
         self.created = int(time.time())
+        self.drain = Drain()
 
     def build(self) -> web.Application:
         app = web.Application(middlewares=[self._errors_and_auth], client_max_size=self.max_body_bytes)
@@ -66,11 +68,18 @@ class RouterApp:
                 raise self._too_large()  # before authenticating, reading or parsing anything
             if self.api_keys and request.path not in PUBLIC_PATHS:
                 self._authenticate(request)
-            return await handler(request)
+            if not request.path.startswith("/v1/"):
+                return await handler(request)
+            if self.drain.draining:
+                raise stopping_error()
+            with self.drain.tracked():
+                return await handler(request)
         except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit while read
             return _error_response(self._too_large())
         except ApiError as exc:
             return _error_response(exc)
+        except RouterStopping:
+            return _error_response(stopping_error())
         except (NoWorkerAvailable, WorkerRejected, WorkerError) as exc:
             return _error_response(_dispatch_error(exc))
         except web.HTTPException as exc:
@@ -102,8 +111,9 @@ class RouterApp:
     async def health(self, request: web.Request) -> web.Response:
         workers = {h.name: h.healthy for h in self.pool.handles}
         layouts = [pair.as_dict() for pair in self.pool.layouts.pairs]
-        ok = self.pool.any_healthy()
-        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers, "layouts": layouts},
+        ok = self.pool.any_healthy() and not self.drain.draining
+        status = "draining" if self.drain.draining else "ok" if ok else "unavailable"
+        return web.json_response({"status": status, "workers": workers, "layouts": layouts},
                                  status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -124,7 +134,7 @@ class RouterApp:
         generate_input = await self._generate_input(api_request, request)
         bind_request_id(generate_input.request_id)
         shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
-        plan = await self.dispatcher.plan(generate_input)
+        plan = await self.drain.until_stopped(self.dispatcher.plan(generate_input))
         with self._admitted(generate_input, qos, plan):
             try:
                 if api_request.stream:
@@ -157,22 +167,27 @@ class RouterApp:
     async def _complete(self, generate_input: GenerateInput, plan: Plan, shape: ResponseShape,
                         started: float) -> web.Response:
         usage = Usage(len(generate_input.prompt_token_ids))
-        texts, finish_reason = [], None
         stream = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage)
-        try:
+
+        async def collect() -> tuple[str, str | None]:
+            texts, finish_reason = [], None
             async for delta in stream:
                 texts.append(delta.text)
                 finish_reason = delta.finish_reason or finish_reason
+            return "".join(texts), finish_reason
+
+        try:
+            text, finish_reason = await self.drain.until_stopped(collect())
         except WorkerFailed as exc:
             raise ApiError(503, str(exc), type="service_unavailable", code="worker_failed") from None
-        return web.json_response(shape.full("".join(texts), finish_reason, usage))
+        return web.json_response(shape.full(text, finish_reason, usage))
 
     async def _stream(self, request: web.Request, api_request: ApiRequest, generate_input: GenerateInput,
                       plan: Plan, shape: ResponseShape, started: float) -> web.StreamResponse:
         usage = Usage(len(generate_input.prompt_token_ids))
         include_usage = api_request.include_usage
         deltas = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage).__aiter__()
-        first = await deltas.__anext__()
+        first = await self.drain.until_stopped(deltas.__anext__())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         if api_request.kind == "chat":
@@ -184,9 +199,11 @@ class RouterApp:
                     await _send(response, shape.chunk(delta.text, delta.finish_reason, include_usage))
                 if delta.finish_reason:
                     break
-                delta = await deltas.__anext__()
+                delta = await self.drain.until_stopped(deltas.__anext__())
         except WorkerFailed as exc:
             await _send(response, ApiError(503, str(exc), type="service_unavailable", code="worker_failed").body())
+        except RouterStopping:  # past router.drain_timeout_s: the client learns its answer is cut
+            await _send(response, stopping_error().body())
         finally:
             await deltas.aclose()
         if include_usage:

@@ -200,3 +200,34 @@ class RouterMetrics:
         self.kv_rejected.labels(worker).set(stats.kv_frames_rejected + stats.kv_connections_refused)
         for reason, count in stats.grpc_rejected.items():
             self.grpc_rejected.labels(worker, reason).set(count)
+
+    def read_launcher_stats(self, path: str) -> None:
+        """``prfaas_launcher_restarts_total{service}``: `prfaas up`'s restart counts, read from the file it
+        keeps (services/launcher/watch.py) at each scrape, so they outlive a restart of the router itself."""
+        self.registry.register(_LauncherRestarts(path))
+
+
+class _LauncherRestarts:
+    MAX_BYTES = 64 << 10
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("prfaas_launcher_restarts", "Restarts of each service by `prfaas up` after "
+                                     "it exited unexpectedly.", labels=("service",))
+        for service, count in self._counts().items():
+            family.add_metric((str(service),), float(count))
+        yield family
+
+    def _counts(self) -> dict:
+        import json
+
+        try:
+            with open(self.path, "rb") as file:
+                counts = json.loads(file.read(self.MAX_BYTES)).get("restarts", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return {k: v for k, v in counts.items() if isinstance(v, int)} if isinstance(counts, dict) else {}

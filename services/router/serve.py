@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import signal
 
@@ -21,11 +22,12 @@ from services.router.tokenizer import PromptTokenizer
 from services.router.workers import WorkerPool
 from services.scheduling.backoff import BackoffConfig
 from services.scheduling.congestion import FixedThreshold
+from services.procs import LAUNCHER_STATS
 from services.security import GrpcSecurity
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 30.0
+SHUTDOWN_GRACE_S = 5.0  # for the HTTP server's own close, once the router has drained (router.drain_timeout_s)
 
 
 def api_keys(config: DeploymentConfig) -> frozenset[str]:
@@ -68,6 +70,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         metrics=metrics,
         admission=admission,
     )
+    if stats := os.environ.get(LAUNCHER_STATS):
+        metrics.read_launcher_stats(stats)
     runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
@@ -77,6 +81,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         logger.info("router listening on http://%s:%d (model %s, %d workers, auth %s)", host, port,
                     config.model.name, len(config.workers), "on" if router.api_keys else "off")
         await _wait_for_signal()
+        await router.drain.run(config.router.drain_timeout_s)
         logger.info("router stopping")
     finally:
         await runner.cleanup()

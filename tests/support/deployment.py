@@ -133,8 +133,9 @@ class Deployment:
         return {name: int(pid) for name, pid in started}
 
     def stop(self) -> None:
-        # `prfaas up` stops its services (up to STOP_TIMEOUT_S each) before it exits itself
-        supervisor.stop_all(self.children, timeout_s=supervisor.STOP_TIMEOUT_S * (2 if self.launcher == "up" else 1))
+        # `prfaas up` stops its services in stages (the router's drain, then the workers, then the pools:
+        # up to about STOP_TIMEOUT_S each) before it exits itself
+        supervisor.stop_all(self.children, timeout_s=supervisor.STOP_TIMEOUT_S * (3 if self.launcher == "up" else 1))
 
     def child(self, name: str):
         return next(c for c in self.children if c.name == name)

@@ -41,6 +41,7 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NoReturn, overload
 
@@ -215,8 +216,11 @@ def _client_handshake(conn: socket.socket, secret: bytes, ours: int) -> int:
     return agree(ours, theirs)
 
 
-def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE) -> int:
-    """Authenticate a connecting sender, offering the codecs ``codecs``; the codec agreed on."""
+def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE,
+                     admit: Callable[[], str | None] | None = None) -> int:
+    """Authenticate a connecting sender, offering the codecs ``codecs``; the codec agreed on.
+    ``admit``, called once the sender proved the secret: why the receiver cannot take the
+    connection after all (refused with that reason), or None."""
     raw = recv_exactly(conn, _HELLO.size)
     magic, version, client_nonce = _HELLO.unpack(raw)
     if magic != MAGIC:
@@ -235,6 +239,8 @@ def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE
                                "(different transport secret)") from None
     if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce, offers)):
         _refuse(conn, "authentication failed (different transport secret)")
+    if admit is not None and (why := admit()) is not None:
+        _refuse(conn, why)
     conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0))
     return agree(codecs, theirs)
 

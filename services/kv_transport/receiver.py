@@ -129,47 +129,45 @@ class Receiver:
                 conn, address = self._listener.accept()
             except OSError:
                 return
-            peer = f"{address[0]}:{address[1]}"
-            if (why := self._slots.take(address[0])) is not None:
-                self._refuse_at_accept(conn, peer, why)
-                continue
-            threading.Thread(target=self._admit, args=(conn, peer), name="prfaas-kv-handshake", daemon=True).start()
-
-    def _refuse_at_accept(self, conn: socket.socket, peer: str, why: str) -> None:
-        refused = self._count_refused()
-        if refused & (refused - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: no log flood
-            logger.warning("refused KV connection from %s: %s (%d refused so far)", peer, why, refused)
-        conn.close()
+            handshake = _Handshake(conn, address[0])
+            if (displaced := self._slots.begin(handshake)) is not None:
+                _shut(displaced.sock)  # its handshake thread closes it and counts it refused
+            threading.Thread(target=self._admit, args=(handshake, f"{address[0]}:{address[1]}"),
+                             name="prfaas-kv-handshake", daemon=True).start()
 
     def _count_refused(self) -> int:
         with self._refused_lock:
             self.connections_refused += 1
             return self.connections_refused
 
-    def _admit(self, conn: socket.socket, peer: str) -> None:
-        """Authenticate a new connection within ``handshake_timeout_s``, then hand it to the I/O
-        thread (or read it here, for TLS)."""
-        deadline = threading.Timer(self._settings.handshake_timeout_s, _shut, (conn,))
+    def _admit(self, handshake: _Handshake, peer: str) -> None:
+        """Authenticate a new connection within ``handshake_timeout_s`` (or until a newer one displaces
+        it from the budget of connections authenticating), then hand it to the I/O thread (or read it
+        here, for TLS). Only then does it count against its address's ``max_connections_per_peer``."""
+        deadline = threading.Timer(self._settings.handshake_timeout_s, lambda: _shut(handshake.sock))
         deadline.start()
+        conn, admitted = handshake.sock, False
+
+        def admit() -> str | None:
+            nonlocal admitted
+            why = self._slots.admit(handshake.host)
+            admitted = why is None
+            return why
+
         try:
             conn.settimeout(self._settings.connect_timeout_s)
             if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer)
-        except HandshakeRefused as exc:
-            self._count_refused()
-            logger.warning("refused KV connection from %s: %s", peer, exc)
-            self._close(conn, peer)
-            return
-        except (ProtocolError, OSError, ssl.SSLError) as exc:
-            self._count_refused()
-            late = "" if deadline.is_alive() else f" (not authenticated within {self._settings.handshake_timeout_s} s)"
-            logger.warning("KV connection from %s dropped during the handshake: %s%s", peer, exc, late)
-            self._close(conn, peer)
+                conn = handshake.sock = self._tls.wrap_socket(conn, server_side=True)
+            codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer, admit)
+        except (HandshakeRefused, ProtocolError, OSError, ssl.SSLError) as exc:
+            self._refused_in_handshake(peer, exc, late=not deadline.is_alive(), displaced=handshake.displaced)
+            conn.close()
+            if admitted:
+                self._slots.give(handshake.host)
             return
         finally:
             deadline.cancel()
-            self._slots.authenticated()
+            self._slots.end(handshake)
         if self._tls is not None:
             self._serve_blocking(conn, peer, codec)
             return
@@ -179,7 +177,26 @@ class Receiver:
         if self._closed:  # the I/O thread may have gone already
             self._close(conn, peer)
 
+    def _refused_in_handshake(self, peer: str, exc: Exception, late: bool, displaced: bool) -> None:
+        """Counted; logged at the 1st, 2nd, 4th, 8th, ... refusal, so that a flood writes no flood of logs."""
+        refused = self._count_refused()
+        if refused & (refused - 1):
+            return
+        if displaced:
+            why = (f" (displaced by a newer connection: {self._settings.max_pending_handshakes} were "
+                   "authenticating, max_pending_handshakes)")
+        elif late:
+            why = f" (not authenticated within {self._settings.handshake_timeout_s} s)"
+        else:
+            why = ""
+        if isinstance(exc, HandshakeRefused):
+            logger.warning("refused KV connection from %s: %s (%d refused so far)", peer, exc, refused)
+        else:
+            logger.warning("KV connection from %s dropped during the handshake: %s%s (%d refused so far)", peer,
+                           exc, why, refused)
+
     def _close(self, conn: socket.socket, peer: str) -> None:
+        """Close an authenticated connection, giving its address's slot back."""
         conn.close()
         self._slots.give(peer.rpartition(":")[0])
 
@@ -423,36 +440,65 @@ def _frame_problem(header: FrameHeader, payload: memoryview, codec: int) -> str 
 
 
 def _shut(conn: socket.socket) -> None:
-    """Wake a handshake blocked on ``conn`` (its reads then fail)."""
+    """Wake a handshake blocked on ``conn`` (its reads then fail). The plain socket's shutdown, also on
+    a TLS socket: ``SSLSocket.shutdown`` would drop the TLS state under the thread that uses it."""
     try:
-        conn.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
     except OSError:
         pass
 
 
+@dataclass(slots=True, eq=False)
+class _Handshake:
+    """A connection being authenticated: its socket (the TLS one once wrapped) and address."""
+    sock: socket.socket
+    host: str
+    displaced: bool = False  # a newer connection took its place in the budget (``_Slots.begin``)
+
+
 class _Slots:
-    """Connections being authenticated (all peers) and open (per peer address), within their caps."""
+    """Connections being authenticated, a budget of their own (``max_pending_handshakes``, all
+    addresses together), and authenticated connections per peer address (``max_connections_per_peer``).
+    A connection counts against its address only once it proved the secret, so unauthenticated ones
+    never take an authenticated peer's room, even from the same address. When the handshake budget is
+    full, a new connection displaces the one that has waited longest: a real peer authenticates in a
+    round trip or two, so it is never the oldest for long, while idle connections cannot keep a
+    newcomer out."""
 
     def __init__(self, max_pending: int, max_per_peer: int) -> None:
         self._max_pending, self._max_per_peer = max_pending, max_per_peer
-        self._pending = 0
+        self._pending: OrderedDict[_Handshake, None] = OrderedDict()
         self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, host: str) -> str | None:
-        """Admit a new connection from ``host``; the reason when it must be refused."""
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def begin(self, handshake: _Handshake) -> _Handshake | None:
+        """Count ``handshake`` as authenticating; the one it displaces (to be shut), if any."""
+        with self._lock:
+            displaced = None
+            if len(self._pending) >= self._max_pending:
+                displaced, _ = self._pending.popitem(last=False)
+                displaced.displaced = True
+            self._pending[handshake] = None
+            return displaced
+
+    def end(self, handshake: _Handshake) -> None:
+        """The handshake is over, either way."""
+        with self._lock:
+            self._pending.pop(handshake, None)
+
+    def admit(self, host: str) -> str | None:
+        """Take an authenticated connection's slot for ``host``; the reason when there is none."""
         with self._lock:
             if self._per_peer.get(host, 0) >= self._max_per_peer:
-                return f"{self._max_per_peer} connections from {host} already open (max_connections_per_peer)"
-            if self._pending >= self._max_pending:
-                return f"{self._max_pending} connections already authenticating (max_pending_handshakes)"
-            self._pending += 1
+                return (f"{self._max_per_peer} authenticated connections from {host} already open "
+                        "(max_connections_per_peer)")
             self._per_peer[host] = self._per_peer.get(host, 0) + 1
             return None
-
-    def authenticated(self) -> None:
-        with self._lock:
-            self._pending -= 1
 
     def give(self, host: str) -> None:
         with self._lock:

@@ -55,11 +55,16 @@ class TransportSettings:
     tls_ca: str = _opt("", "PEM CA bundle that peer certificates must chain to.")
     tls_server_name: str = _opt("", "Name gRPC clients expect in servers' certificates (`tls_*` also secure gRPC); "
                                 "empty: the host as configured. The KV data plane trusts the CA alone.")
-    handshake_timeout_s: float = _opt(5.0, "Deadline for a new connection to authenticate; slower ones are closed.")
-    max_pending_handshakes: int = _opt(128, "Connections a receiver lets authenticate at once; more are closed "
-                                       "at accept (counted as refused).")
-    max_connections_per_peer: int = _opt(64, "Connections one peer address may hold open to a receiver, "
-                                         "authenticated or not; more are closed at accept (counted as refused).")
+    handshake_timeout_s: float = _opt(5.0, "Deadline for a new connection to authenticate; slower ones are closed "
+                                      "(counted as refused).")
+    max_pending_handshakes: int = _opt(32, "Connections a receiver lets authenticate at once, from all addresses "
+                                       "together: a budget of their own, apart from `max_connections_per_peer`. "
+                                       "When it is full, a new connection displaces the one that has waited "
+                                       "longest (closed, counted as refused), so idle or garbage connections "
+                                       "never keep a real peer, which authenticates in a round trip or two, out.")
+    max_connections_per_peer: int = _opt(64, "Authenticated connections one peer address may hold open to a "
+                                         "receiver; more are refused at the handshake with this reason (counted "
+                                         "as refused). Connections still authenticating do not count.")
     telemetry_interval_s: float = _opt(0.25, "How often a sending connection samples `TCP_INFO`.")
     codec: str = _opt("none", "Codec of attention KV on the link from the PrfaaS cluster: `none` (the engine's cache "
                       "dtype as it is), `int8` or `fp8` (8-bit values with a float32 scale per row of one K channel "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import struct
 import subprocess
@@ -500,10 +499,10 @@ def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
 
 
 def test_connections_that_never_authenticate_are_bounded_and_a_good_sender_goes_on(pair):
-    """One address opening many idle connections gets ``max_connections_per_peer`` admitted, the rest
-    closed at accept; the admitted ones are closed at the handshake deadline; meanwhile a sender
-    from another address completes its transfer."""
-    rx_settings = TransportSettings(secret=SECRET, handshake_timeout_s=1.0, max_connections_per_peer=10)
+    """One address opening many idle connections: at most ``max_pending_handshakes`` stay open (each
+    newcomer displaces the oldest), the last ones are closed at the handshake deadline; meanwhile a
+    sender from another address completes its transfer."""
+    rx_settings = TransportSettings(secret=SECRET, handshake_timeout_s=1.0, max_pending_handshakes=10)
     rx, tx, peer = pair(rx_settings, TransportSettings(secret=SECRET, connections_per_peer=2))
     idle = [_idle_connection(rx.port, "127.0.0.2") for _ in range(40)]
     try:
@@ -514,19 +513,53 @@ def test_connections_that_never_authenticate_are_bounded_and_a_good_sender_goes_
         frames, end = collect(rx, "t-good")
         assert isinstance(end, TransferDone) and bytes(frames[0].payload) == payload
         started = time.monotonic()
-        assert all(_closed_by_peer(sock, 5.0) for sock in idle)  # refused at once, or at the deadline
+        assert all(_closed_by_peer(sock, 5.0) for sock in idle)  # displaced at once, or at the deadline
         assert time.monotonic() - started < 4.0
-        # 30 at accept, 10 at the handshake deadline (counted just after the close the client saw)
+        # 30 displaced, 10 at the handshake deadline (counted just after the close the client saw)
         assert wait_for(lambda: rx.snapshot().connections_refused == 40, 2.0), rx.snapshot().connections_refused
-        time.sleep(0.5)  # the handshake threads give their slots back just after closing
-        again = [_idle_connection(rx.port, "127.0.0.2") for _ in range(10)]  # slots were given back
-        readable, _, _ = select.select(again, [], [], 0.3)  # the receiver sends nothing first: readable = closed
-        assert readable == []
-        for sock in again:
-            sock.close()
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_a_flood_of_unauthenticated_connections_from_the_peers_own_address_does_not_lock_it_out(pair, caplog):
+    """300 idle connections (after a few garbage payloads) from 127.0.0.1, the sender's own address:
+    they never count against its ``max_connections_per_peer``, at most ``max_pending_handshakes`` of
+    them stay open, and the sender's transfer goes through at once."""
+    rx, tx, peer = pair(TransportSettings(secret=SECRET, max_connections_per_peer=8, max_pending_handshakes=16),
+                        TransportSettings(secret=SECRET, connections_per_peer=8))
+    flood = []
+    try:
+        for garbage in (b"GET / HTTP/1.1\r\n\r\n", os.urandom(64), b"\x00" * 4096):
+            sock = _idle_connection(rx.port, "127.0.0.1")
+            sock.sendall(garbage)
+            flood.append(sock)
+        flood += [_idle_connection(rx.port, "127.0.0.1") for _ in range(300)]
+        assert wait_for(lambda: rx.snapshot().connections_refused >= 303 - 16, 5.0), rx.snapshot().connections_refused
+        open_now = [sock for sock in flood if not _closed_by_peer(sock, 0.01)]
+        assert len(open_now) <= 16
+        started = time.monotonic()
+        payload = os.urandom(4 << 20)
+        tx.send(peer, "t-peer", 0, 0, 0, 16, payload, divisible=True)
+        tx.finish(peer, "t-peer")
+        frames, end = collect(rx, "t-peer")
+        assert isinstance(end, TransferDone), end
+        assert b"".join(bytes(f.payload) for f in sorted(frames, key=lambda f: f.block_start)) == payload
+        assert time.monotonic() - started < 2.0
+        assert tx.snapshot().peers[0].transfers_failed == 0
+        assert "max_connections_per_peer" not in caplog.text
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_authenticated_connections_beyond_the_per_peer_cap_are_refused_with_the_reason(pair, caplog):
+    rx, tx, peer = pair(TransportSettings(secret=SECRET, max_connections_per_peer=2),
+                        TransportSettings(secret=SECRET, connections_per_peer=4, frame_bytes=64 << 10))
+    tx.send(peer, "t-capped", 0, 0, 0, 64, os.urandom(4 << 20), divisible=True)
+    tx.finish(peer, "t-capped")
+    assert wait_for(lambda: rx.snapshot().connections_refused >= 1, 5.0)
+    assert "2 authenticated connections from 127.0.0.1 already open (max_connections_per_peer)" in caplog.text
 
 
 def wait_for(predicate, timeout_s: float) -> bool:

@@ -11,8 +11,10 @@ import grpc
 from prfaas.v1 import worker_pb2 as pb
 
 from services.engine.engine import Engine
+from services.engine.kv_sends import KvSendFailed, KvSendWatch
 from services.engine.serve import CallerGuard, WorkerIdentity
 from services.kv_transport import PROTOCOL_VERSION as KV_PROTOCOL_VERSION
+from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import bind_request_id
 from services.worker_api import convert
 
@@ -34,7 +36,8 @@ class WorkerServicer:
 async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
     """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
     worker KV port of the deployment (PERMISSION_DENIED otherwise, before anything is dialled).
-    Returns when the prefill is done."""
+    Returns when the prefill is done and its KV has left for ``kv_target``; ABORTED as soon as the
+    KV transfer failed at the sender (``kv_sends``): the router then prefills the request itself."""
     bind_request_id(request.request_id)
     if not request.prompt_token_ids:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
@@ -45,13 +48,18 @@ async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
     started = time.perf_counter()
     prefill_input = convert.prefill_input_from_proto(request)
-    last = None
+    watch = KvSendWatch(prefill_input.kv_transfer.transfer_id if prefill_input.kv_transfer else "",
+                        lambda: _transport(engine))
     stream = engine.generate(prefill_input)
     try:
-        async for delta in stream:
-            last = delta
+        last = await watch.prefill(stream)
+        if prefill_input.kv_transfer is not None:
+            await watch.wait_for_sent()
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except KvSendFailed as exc:
+        logger.warning("request %s: KV transfer to %s failed: %s", request.request_id, request.kv_target, exc)
+        await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.kv_target} failed: {exc}")
     finally:
         await stream.aclose()  # a cancelled call aborts the prefill in the engine
     elapsed = time.perf_counter() - started
@@ -61,6 +69,11 @@ async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest
         num_cached_tokens=last.num_cached_tokens,
         prefill_seconds=elapsed,
     )
+
+
+def _transport(engine: Engine) -> TransportSnapshot | None:
+    connector = engine.stats().kv_connector
+    return connector.transport if connector is not None else None
 
 
 def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> pb.WorkerStats:

@@ -46,6 +46,7 @@ RECONNECT_BACKOFF_S = 1.0
 IO_POLL_S = 0.5  # longest wait for socket room before stalled connections are checked
 MIN_NOTSENT_LOWAT = 128 << 10  # below this, a fast connection would wait on the I/O thread between frames
 IDLE_CHECK_S = 0.5  # a connection unused this long is checked for a hang-up before it carries a frame
+RECENT_FAILURES = 64  # failed transfers a link remembers for its telemetry (``recent_failures``)
 
 # (dtype name of the engine's cache, values per row): how a payload of attention KV may be coded;
 # each row is one (block, KV head, K or V) of the cache
@@ -114,6 +115,7 @@ class PeerLink:
         self._transfers: dict[str, _Transfer] = {}
         self._closed = False
         self._unreachable_until = 0.0
+        self.recent_failures: deque[tuple[str, str]] = deque(maxlen=RECENT_FAILURES)  # (transfer id, reason)
         self._agreed: int | None = None  # the codec the last handshake agreed on (None: none yet)
         self._wakeup = WakePipe()
         self._want_wake = False
@@ -128,6 +130,12 @@ class PeerLink:
         until its sender finishes it, so that its late frames are dropped, but it is over)."""
         with self._cond:
             return sum(1 for transfer in self._transfers.values() if not transfer.failed)
+
+    @property
+    def pending_ids(self) -> list[str]:
+        """The transfers ``num_pending`` counts."""
+        with self._cond:
+            return [transfer_id for transfer_id, transfer in self._transfers.items() if not transfer.failed]
 
     def send(self, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
              payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None,
@@ -414,11 +422,10 @@ class PeerLink:
             self._fail(transfer_id, reason)
 
     def _check_stalled(self, conns: list["_Connection"], poller: select.epoll) -> None:
-        now = time.monotonic()
+        now, limit = time.monotonic(), min(self._settings.io_timeout_s, self._settings.stall_timeout_s)
         for conn in conns:
-            if conn.waiting_since and now - conn.waiting_since > self._settings.io_timeout_s:
-                self._drop(conn, poller, f"KV connection to {self.peer} made no progress for "
-                                         f"{self._settings.io_timeout_s:.0f} s")
+            if conn.waiting_since and now - conn.waiting_since > limit:
+                self._drop(conn, poller, f"KV connection to {self.peer} made no progress for {limit:g} s")
 
     def _release(self, item: _Outgoing) -> None:
         if item.kind != ABORT:
@@ -432,7 +439,8 @@ class PeerLink:
             raise ConnectionRefusedError("peer unreachable (recent connect failure)")
         sock = None
         try:
-            sock = socket.create_connection(self._address, timeout=self._settings.connect_timeout_s)
+            timeout = min(self._settings.connect_timeout_s, self._settings.stall_timeout_s)
+            sock = socket.create_connection(self._address, timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self._settings.notsent_lowat_bytes)
             if self._tls is not None:
@@ -466,6 +474,7 @@ class PeerLink:
         if self._want_wake:
             self._wake()
         self.telemetry.on_transfer(False, 0, 0.0)
+        self.recent_failures.append((transfer_id, reason))
         logger.warning("request %s: KV send failed: %s", transfer_id, reason)
 
 

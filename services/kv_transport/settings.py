@@ -41,6 +41,12 @@ class TransportSettings:
                                   "beyond it.")
     connect_timeout_s: float = _opt(10.0, "Deadline for connecting (and handshaking) to a peer.")
     io_timeout_s: float = _opt(30.0, "A socket that makes no progress this long is dead.")
+    stall_timeout_s: float = _opt(10.0, "The PrfaaS path fails fast: a sending transfer whose peer cannot be "
+                                  "connected to (and authenticated with) within this bound, or whose connection "
+                                  "makes no progress for this long, fails (the sender's `connect_timeout_s` and "
+                                  "`io_timeout_s` count only up to it). The prefill worker then fails its Prefill "
+                                  "call and the router prefills the request locally, so no request waits on a dead "
+                                  "link longer than this plus a local prefill; the failure counts as a link fault.")
     send_timeout_s: float = _opt(60.0, "Longest a send may wait for room before the transfer fails.")
     recv_idle_timeout_s: float = _opt(30.0, "A receiving transfer with no progress this long, once its first KV "
                                       "arrived, fails.")

@@ -24,6 +24,7 @@ from typing import Any
 
 _TCP_INFO_LEN = 232
 RTT_FRESH_S = 2.0
+MAX_LISTED = 256  # sending transfers a snapshot names
 # Offsets into struct tcp_info (linux/tcp.h).
 _FIELDS = {"retransmits": ("B", 2), "last_ack_recv_ms": ("I", 56), "rtt_us": ("I", 68), "rttvar_us": ("I", 72),
            "snd_cwnd": ("I", 80), "total_retrans": ("I", 100), "pacing_rate_bps": ("Q", 104),
@@ -81,6 +82,10 @@ class TransportSnapshot:
     # go to 0, or its state leaks
     transfers_receiving: int = 0
     transfers_sending: int = 0
+    # the sending transfers not yet ended (at most ``MAX_LISTED``), and the latest failed ones with
+    # why: the prefill worker reports a failed transfer to the router by its Prefill call
+    sends_pending: tuple[str, ...] = ()
+    sends_failed: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +96,9 @@ class TransportSnapshot:
                    bytes_received=data.get("bytes_received", 0), frames_rejected=data.get("frames_rejected", 0),
                    connections_refused=data.get("connections_refused", 0),
                    transfers_receiving=data.get("transfers_receiving", 0),
-                   transfers_sending=data.get("transfers_sending", 0))
+                   transfers_sending=data.get("transfers_sending", 0),
+                   sends_pending=tuple(data.get("sends_pending", ())),
+                   sends_failed=tuple((str(tid), str(why)) for tid, why in data.get("sends_failed", ())))
 
     @classmethod
     def summed(cls, snapshots: Sequence[TransportSnapshot]) -> TransportSnapshot:
@@ -108,7 +115,9 @@ class TransportSnapshot:
                    frames_rejected=sum(s.frames_rejected for s in snapshots),
                    connections_refused=sum(s.connections_refused for s in snapshots),
                    transfers_receiving=sum(s.transfers_receiving for s in snapshots),
-                   transfers_sending=sum(s.transfers_sending for s in snapshots))
+                   transfers_sending=sum(s.transfers_sending for s in snapshots),
+                   sends_pending=tuple(t for s in snapshots for t in s.sends_pending),
+                   sends_failed=tuple(f for s in snapshots for f in s.sends_failed))
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from services.kv_transport.protocol import Bytes, block_frame_fields
 from services.kv_transport.receiver import Receiver
 from services.kv_transport.sender import Coding, Encoder, PeerLink
 from services.kv_transport.settings import TransportSettings
-from services.kv_transport.telemetry import TransportSnapshot
+from services.kv_transport.telemetry import MAX_LISTED, TransportSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +109,15 @@ class KVTransport:
         with self._links_lock:
             links = list(self._links.values())
         peers = tuple(link.telemetry.snapshot() for link in links)
-        sending = sum(link.num_pending for link in links)
+        pending = [transfer_id for link in links for transfer_id in link.pending_ids]
+        sends = {"transfers_sending": len(pending), "sends_pending": tuple(pending[:MAX_LISTED]),
+                 "sends_failed": tuple(failure for link in links for failure in list(link.recent_failures))}
         if self._receiver is None:
-            return TransportSnapshot(peers, transfers_sending=sending)
+            return TransportSnapshot(peers, **sends)
         return TransportSnapshot(peers, bytes_received=self._receiver.bytes_received,
                                  frames_rejected=self._receiver.frames_rejected,
                                  connections_refused=self._receiver.connections_refused,
-                                 transfers_receiving=self._receiver.num_pending, transfers_sending=sending)
+                                 transfers_receiving=self._receiver.num_pending, **sends)
 
     def close(self) -> None:
         if self._receiver is not None:

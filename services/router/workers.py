@@ -284,7 +284,10 @@ class PrefillCall:
             if read.done() or (task.done() and (task.cancelled() or task.exception() is None)):
                 return
             if task.done():
-                logger.warning("request %s: prefill on %s failed; prefilling locally instead", request_id, name)
+                exc = task.exception()
+                why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                logger.warning("request %s: prefill on %s failed (%s); prefilling locally instead", request_id, name,
+                               why)
                 break
             if self._handle.num_unanswered_polls >= UNANSWERED_POLLS:
                 logger.warning("request %s: prefill worker %s stopped answering before the request's KV came; "

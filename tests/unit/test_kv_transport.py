@@ -625,3 +625,45 @@ def test_both_ends_count_a_transfer_pending_until_it_ends_and_an_abort_ends_it(p
     tx.abort(peer, "cut", "request cancelled")
     assert isinstance(collect(rx, "cut")[1], TransferFailed)
     assert wait_for(lambda: rx.snapshot().transfers_receiving == 0 and tx.snapshot().transfers_sending == 0, 5.0)
+
+
+def test_a_peer_that_never_answers_the_handshake_fails_the_transfer_within_the_stall_bound():
+    """The kernel accepts the connection, the receiver never speaks: the sender reports the transfer
+    failed within ``stall_timeout_s``, and its snapshot names it pending, then failed with why."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        tx = KVTransport(TransportSettings(secret=SECRET, stall_timeout_s=0.5))
+        peer = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        tx.send(peer, "t-dead", 0, 0, 0, 1, b"x" * 64)
+        assert tx.snapshot().sends_pending == ("t-dead",)
+        assert wait_for(lambda: tx.snapshot().sends_failed, 3.0)
+        assert time.monotonic() - started < 1.5
+        (failed_id, why), = tx.snapshot().sends_failed
+        assert failed_id == "t-dead" and "failed" in why
+        assert tx.snapshot().sends_pending == () and tx.snapshot().peers[0].transfers_failed == 1
+        tx.close()
+    finally:
+        silent.close()
+
+
+def test_a_connection_that_makes_no_progress_fails_its_transfer_within_the_stall_bound():
+    tx = KVTransport(TransportSettings(secret=SECRET, stall_timeout_s=1.0, connections_per_peer=1))
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = f"127.0.0.1:{server.getsockname()[1]}"
+
+    def accept_and_stop_reading():
+        conn, _ = server.accept()
+        protocol.server_handshake(conn, SECRET.encode())
+        time.sleep(5)  # reads nothing: the sender's socket fills and stays full
+        conn.close()
+
+    threading.Thread(target=accept_and_stop_reading, daemon=True).start()
+    try:
+        started = time.monotonic()
+        tx.send(peer, "t-stuck", 0, 0, 0, 64, os.urandom(64 << 20), divisible=True)
+        assert wait_for(lambda: any(t == "t-stuck" for t, _ in tx.snapshot().sends_failed), 4.0)
+        assert time.monotonic() - started < 3.5
+    finally:
+        tx.close()
+        server.close()

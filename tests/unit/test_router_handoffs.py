@@ -235,3 +235,46 @@ def test_a_worker_that_comes_up_is_seen_long_before_the_next_full_poll():
     assert seen_after < 2.5  # the re-check runs every back-off base (1 s), not every 30 s
     assert unanswered_with_request == 0
     assert unanswered_without >= 2
+
+
+class DeadKvLink(HeldWorkers):
+    """A prefill worker whose KV transfer fails at the sender: its Prefill call ends ABORTED (as
+    services/engine/worker_rpc.py answers), while the decode worker would wait for KV forever."""
+
+    async def Prefill(self, request, context):
+        await asyncio.sleep(0.2)
+        await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.kv_target} failed: no progress")
+
+
+def test_a_kv_transfer_that_fails_at_the_sender_is_prefilled_locally_at_once():
+    async def scenario():
+        security = GrpcSecurity()
+        servicer = DeadKvLink()
+        decode_server, decode_port = await _serve(servicer, security)
+        prefill_server, prefill_port = await _serve(servicer, security)
+        config = parse_config({
+            "model": {"name": "m", "path": "/m"},
+            "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
+                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+        metrics = RouterMetrics()
+        pool = WorkerPool(config.workers, config.router, metrics, security=security)
+        try:
+            for handle in pool.handles:
+                handle.healthy = True
+            dispatcher = Dispatcher(pool, config.router, metrics,
+                                    Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
+            request = GenerateInput("r-dead-link", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            text = "".join([d.text async for d in dispatcher.generate(request)])
+            return (text, loop.time() - started, metrics.prefill_fallbacks._value.get(), pool.handle("p").healthy,
+                    servicer.open_consumers)
+        finally:
+            await pool.close()
+            await decode_server.stop(0)
+            await prefill_server.stop(0)
+
+    text, elapsed_s, fallbacks, prefill_worker_healthy, open_consumers = asyncio.run(scenario())
+    assert text == "local" and elapsed_s < 2.0 and fallbacks == 1
+    assert prefill_worker_healthy  # the link failed, not the worker: it keeps its other hand-offs
+    assert open_consumers == 0  # the decode worker's wait for the KV was cancelled

@@ -21,6 +21,9 @@ pool-local, restart), hang_prefill (SIGSTOP prefill-0 for 30 s, SIGCONT), link_d
 the namespace drops everything for 20 s), bandwidth_cut (the cap / 10 for 60 s), router_restart
 (SIGTERM the router, which drains, then start it again; clients see refused connections meanwhile).
 
+kv_flood (300 unauthenticated connections, after a few garbage payloads, to each decode worker's KV port,
+held 20 s: they have a handshake budget of their own and never crowd out the prefill worker).
+
 Every answer is classified: right, wrong (text differs from the expected one), clear error (an
 OpenAI-shaped HTTP error or stream error event, or a refused connection while the router is down),
 hung (nothing within ``--deadline``), lost (the answer ended without completing or saying why).
@@ -46,8 +49,10 @@ import asyncio
 import json
 import os
 import random
+import resource
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -71,7 +76,8 @@ from services.launcher import supervisor
 from services.loadgen.client import CONNECTION_ERROR, TIMEOUT_ERROR, OpenAIClient, RequestOutcome
 
 MODEL = "smollm2-135m-instruct"
-FAULTS = ("kill_prefill", "kill_pd", "kill_pool", "hang_prefill", "link_drop", "bandwidth_cut", "router_restart")
+FAULTS = ("kill_prefill", "kill_pd", "kill_pool", "hang_prefill", "link_drop", "bandwidth_cut", "router_restart",
+          "kv_flood")
 BUDGET = 2048                    # max_num_batched_tokens of every engine: a prompt is one chunk
 SHORT = (24, 120)                # prompt tokens, below the offload threshold: a range
 LONG = (449, 641, 833)           # above it: few lengths, one reference engine per N-1 chunk
@@ -82,6 +88,7 @@ MIN_LEAD = 0.01                  # nats by which every answer token must beat th
 CANDIDATES_PER_PROMPT = 1.7      # prompts drawn per prompt kept (about 1 in 3 has a tie somewhere)
 NOMINAL_MBIT, RTT_MS = 400.0, 10.0
 HANG_S, DROP_S, CUT_S, CUT_FACTOR = 30.0, 20.0, 60.0, 10.0
+FLOOD_CONNECTIONS, FLOOD_S = 300, 20.0  # kv_flood: idle connections per KV port, and how long
 # A request held by a killed decode worker moves to another one (the router's migration): it must
 # complete right like a request no fault touched. "" stands for requests no killed process held.
 MIGRATABLE = ("", "pd-0", "pd-1")
@@ -314,6 +321,27 @@ class Faults:
         _wait(lambda: supervisor.router_healthy("127.0.0.1", port), 120, "router after restart")
         self.run.router_down.append((down, self.run.now()))
         fault.killed, fault.notes = "router", "(drained, then restarted)"
+
+    def kv_flood(self, fault: Fault) -> None:
+        """Unauthenticated connections to each decode worker's KV port (a few with garbage first), held
+        for ``FLOOD_S``: the receivers' handshake budget displaces and times them out, and the prefill
+        worker's own connections still get in (issue 52)."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+        targets = [(w["host"], w["kv_port"]) for w in self.deployment.config["workers"] if w.get("kv_port")]
+        flood = []
+        try:
+            for address in targets:
+                for garbage in (b"GET / HTTP/1.1\r\n\r\n", os.urandom(64), b"\x00" * 4096):
+                    sock = socket.create_connection(address, timeout=5)
+                    sock.sendall(garbage)
+                    flood.append(sock)
+                flood += [socket.create_connection(address, timeout=5) for _ in range(FLOOD_CONNECTIONS)]
+            fault.notes = f"({len(flood)} connections to {len(targets)} KV ports)"
+            time.sleep(FLOOD_S)
+        finally:
+            for sock in flood:
+                sock.close()
 
     def _kill_and_restart(self, fault: Fault, name: str) -> None:
         child = self.deployment.child(name)
@@ -774,7 +802,7 @@ def main(argv=None) -> int:
 
 def _schedule_length(faults: list[Fault]) -> float:
     durations = {"kill_prefill": 60, "kill_pd": 60, "kill_pool": 15, "hang_prefill": HANG_S, "link_drop": DROP_S,
-                 "bandwidth_cut": CUT_S, "router_restart": 15}
+                 "bandwidth_cut": CUT_S, "router_restart": 15, "kv_flood": FLOOD_S}
     return WARMUP_S + sum(durations[f.name] + GAP_S for f in faults) + COOLDOWN_S
 
 

@@ -9,6 +9,7 @@ sees gRPC."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,10 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # poll's timeout apart) are a hang or a dead link.
 UNANSWERED_POLLS = 2
 MIN_RECHECK_S = 0.25  # a down worker is polled at most this often
+# The finish reasons of an answer the router stands behind (OpenAI's). Anything else a worker ends a
+# request with (vLLM's "abort" when its engine dropped the request: a worker stopping past its drain,
+# an engine that failed; or "error") is a failure of that worker, never an answer for the client.
+FINISHED = frozenset({"stop", "length", "tool_calls"})
 # A worker's port is closed while its engine loads (services.engine.serve) or while it restarts; gRPC
 # waits longer after each refused connection before it dials again (1 s growing by 1.6x, to 120 s by
 # default), and calls fail at once meanwhile: a port closed for 11 s, the worker was seen 5.3-5.8 s
@@ -214,8 +219,12 @@ class GenerateCall:
                 message = await read
             if message is grpc.aio.EOF:
                 raise WorkerError(f"worker {self._handle.name} ended the request without output")
-            self._pool.mark_reachable(self._handle)
-            return convert.delta_from_proto(message)
+            delta = convert.delta_from_proto(message)
+            if delta.finish_reason is None or delta.finish_reason in FINISHED:
+                self._pool.mark_reachable(self._handle)
+                return delta
+            logger.warning("request %s: worker %s ended the request before its first token (%s)", self._request_id,
+                           self._handle.name, delta.finish_reason)
         except TimeoutError:
             logger.warning("request %s: worker %s gave no first token in %.0f s", self._request_id,
                            self._handle.name, config.first_token_timeout_s)
@@ -240,7 +249,13 @@ class GenerateCall:
         name = self._handle.name
         try:
             while (message := await self._next()) is not grpc.aio.EOF:
-                yield convert.delta_from_proto(message)
+                delta = convert.delta_from_proto(message)
+                if delta.finish_reason is not None and delta.finish_reason not in FINISHED:
+                    if delta.text or delta.token_ids:  # what it generated stands; only the end does not
+                        yield dataclasses.replace(delta, finish_reason=None)
+                    raise WorkerFailed(f"worker {name} ended the request unfinished ({delta.finish_reason})",
+                                       delta.finish_reason, name)
+                yield delta
         except grpc.aio.AioRpcError as exc:
             self._pool.mark_unreachable(self._handle)
             raise WorkerFailed(f"worker {name} failed mid-request: {exc.code().name}", exc.code().name.lower(),

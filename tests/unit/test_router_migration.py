@@ -47,9 +47,10 @@ class Worker(wpb_grpc.DecodeWorkerServicer):
     """Generates ``max_tokens`` tokens; ``fail_after``: abort (UNAVAILABLE) after that many, or hang
     there when ``hang``. Holds back the last ``len(longest stop) - 1`` characters, as vLLM does."""
 
-    def __init__(self, fail_after: int | None = None, hang: bool = False) -> None:
+    def __init__(self, fail_after: int | None = None, hang: bool = False, aborts: bool = False) -> None:
         self.fail_after = fail_after
         self.hang = hang
+        self.aborts = aborts  # end with vLLM's finish_reason "abort" instead (its engine dropped the request)
         self.requests: list[wpb.GenerateRequest] = []
 
     async def Generate(self, request, context):
@@ -61,6 +62,9 @@ class Worker(wpb_grpc.DecodeWorkerServicer):
             if self.fail_after is not None and i == self.fail_after:
                 if self.hang:
                     await asyncio.sleep(3600)
+                if self.aborts:
+                    yield wpb.GenerateResponse(finish_reason="abort", num_prompt_tokens=len(request.prompt_token_ids))
+                    return
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
             token = next_token(sequence)
             sequence.append(token)
@@ -282,3 +286,29 @@ def test_on_the_prfaas_path_a_decode_worker_dying_before_the_first_token_costs_n
     assert [t for d in deltas for t in d.token_ids] == reference(6)
     assert len(dying.requests) == 1 and dying.requests[0].kv_source.transfer_id  # it was the PrfaaS path
     assert len(healthy.requests) == 1 and metrics.worker_retries._value.get() == 1
+
+
+def test_a_worker_that_aborts_mid_stream_is_a_failure_and_the_request_moves_on():
+    """vLLM ends a request its engine dropped (a worker stopping past its drain) with finish_reason
+    "abort", which no OpenAI client knows: the router never passes it on as an answer."""
+    workers = [Worker(fail_after=5, aborts=True), Worker()]
+    deltas, error, metrics = asyncio.run(_run(workers, Sampling(max_tokens=12, temperature=0.0)))
+    assert error is None
+    assert [t for d in deltas for t in d.token_ids] == reference(12)
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+    assert _migrations(metrics, "abort", "resumed") == 1
+
+
+def test_an_abort_no_worker_can_continue_ends_with_an_error_not_a_finish_reason():
+    workers = [Worker(fail_after=3, aborts=True), Worker(fail_after=0, aborts=True)]
+    deltas, error, _ = asyncio.run(_run(workers, Sampling(max_tokens=9)))
+    assert isinstance(error, WorkerFailed) and "no worker could continue" in str(error)
+    assert [t for d in deltas for t in d.token_ids] == reference(3)
+    assert all(d.finish_reason is None for d in deltas)
+
+
+def test_an_abort_before_the_first_token_sends_the_request_to_another_worker():
+    workers = [Worker(fail_after=0, aborts=True), Worker()]
+    deltas, error, _ = asyncio.run(_run(workers, Sampling(max_tokens=6)))
+    assert error is None and [t for d in deltas for t in d.token_ids] == reference(6)
+    assert deltas[-1].finish_reason == "length"

@@ -4,6 +4,7 @@ processes are its own to stop, never signalled by the launcher before it has dra
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -137,3 +138,22 @@ def test_hurry_kills_what_is_left_at_once(tmp_path):
     supervisor.stop_all([slow], timeout_s=60, hurry=lambda: time.monotonic() - asked > 0.5)
     assert time.monotonic() - asked < 5
     assert not slow.group_alive
+
+
+def test_up_help_names_the_settings_with_their_defaults():
+    import subprocess
+
+    from services.config import RouterConfig
+
+    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    text = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse wraps lines, also after a hyphen
+    restart, router = SupervisorConfig(), RouterConfig()
+    for phrase in (f"supervisor.restart: {restart.restart} by default",
+                   f"supervisor.restart_backoff_s, {restart.restart_backoff_s:.0f} s",
+                   f"supervisor.max_restart_backoff_s, {restart.max_restart_backoff_s:.0f} s",
+                   f"supervisor.crash_loop_restarts ({restart.crash_loop_restarts})",
+                   f"supervisor.crash_loop_window_s ({restart.crash_loop_window_s:.0f} s)",
+                   f"router.drain_timeout_s, {router.drain_timeout_s:.0f} s",
+                   f"up to {supervisor.STOP_TIMEOUT_S:.0f} s", "second Ctrl-C or SIGTERM kills what is left at once"):
+        assert phrase in text, phrase

@@ -78,7 +78,7 @@ def _run(args) -> int:
             child.start()
             print(f"started {child.name} (pid {child.process.pid}), log: {child.log_path}", flush=True)
         if not _wait_healthy(config, children, args.start_timeout, stop):
-            return 1
+            return 0 if stop.asked else 1
         _print_ready(config)
         watch = Watch(children, config.supervisor, stats_path, say=lambda line: print(line, flush=True))
         while not stop.asked:

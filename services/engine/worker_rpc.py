@@ -62,6 +62,9 @@ async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest
         await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.kv_target} failed: {exc}")
     finally:
         await stream.aclose()  # a cancelled call aborts the prefill in the engine
+    if last is None or last.finish_reason not in ("stop", "length"):  # the engine dropped it (vLLM's abort)
+        why = last.finish_reason if last is not None else "no output"
+        await context.abort(grpc.StatusCode.ABORTED, f"the prefill ended unfinished ({why})")
     elapsed = time.perf_counter() - started
     logger.debug("request %s: prefilled %d tokens in %.3f s", request.request_id, last.num_prompt_tokens, elapsed)
     return pb.PrefillResponse(

@@ -91,3 +91,77 @@ def test_the_snapshot_carries_sends_through_its_file_form():
     assert TransportSnapshot.from_dict(snapshot.as_dict()) == snapshot
     assert TransportSnapshot.summed([snapshot, TransportSnapshot(sends_pending=("a#p1",))]).sends_pending == \
         ("a#p0", "a#p1")
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """What a gRPC servicer's context does here: ``abort`` ends the call with a status."""
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+class Engine:
+    """An engine whose prefill yields ``deltas`` slowly, and whose connector publishes ``published``."""
+
+    def __init__(self, deltas, published: Published) -> None:
+        self._deltas, self._published, self.closed = deltas, published, False
+
+    async def generate(self, request):
+        try:
+            for delta in self._deltas:
+                await asyncio.sleep(0.3)
+                yield delta
+        finally:
+            self.closed = True
+
+    def stats(self):
+        from services.kv_connector.snapshot import ConnectorSnapshot
+        from services.worker_api.types import EngineStats
+
+        snapshot = self._published()
+        return EngineStats(kv_connector=ConnectorSnapshot(snapshot) if snapshot is not None else None)
+
+
+def _prefill(engine: Engine, kv_target: str = "127.0.0.1:9"):
+    from types import SimpleNamespace
+
+    from prfaas.v1 import worker_pb2 as pb
+
+    from services.engine import worker_rpc
+
+    guard = SimpleNamespace(kv_targets=SimpleNamespace(refusal=lambda target, tp_size: None))
+    request = pb.PrefillRequest(request_id="req-1", prompt_token_ids=[1, 2, 3], kv_target=kv_target)
+    return asyncio.run(worker_rpc.prefill(engine, guard, request, Context()))
+
+
+def test_a_prefill_call_ends_aborted_when_its_kv_transfer_fails():
+    import grpc
+
+    published = Published(TransportSnapshot(sends_failed=(("req-1", "KV connection to 127.0.0.1:9 failed"),)))
+    engine = Engine([TokenDelta("", (), None, 3, 0), _delta()], published)
+    with pytest.raises(Aborted) as raised:
+        _prefill(engine)
+    assert raised.value.args[0] == grpc.StatusCode.ABORTED and "KV connection to 127.0.0.1:9 failed" in \
+        raised.value.args[1]
+    assert engine.closed
+
+
+@pytest.mark.parametrize("deltas", [[], [TokenDelta("", (), "abort", 3, 0)]])
+def test_a_prefill_the_engine_dropped_is_no_success(deltas):
+    import grpc
+
+    with pytest.raises(Aborted) as raised:
+        _prefill(Engine(deltas, Published()), kv_target="")
+    assert raised.value.args[0] == grpc.StatusCode.ABORTED and "unfinished" in raised.value.args[1]
+
+
+def test_a_prefill_whose_kv_left_returns_its_counts():
+    reply = _prefill(Engine([_delta()], Published(TransportSnapshot())))
+    assert reply.num_prompt_tokens == 600

@@ -1,8 +1,8 @@
 """Bytes on the wire and transfer time when prefill and decode engines lay out KV differently.
 
 For each pairing of block sizes and tensor-parallel sizes, one request's KV (``--tokens`` tokens of
-the embedded model's shape: its layer count, KV heads, head size and dtype, in vLLM's CPU cache
-layout) goes from the producer ranks' connector workers to the consumer ranks', through
+the embedded model's shape: its layer count, KV heads, head size and dtype, in the cache layout of
+the CPU kernel vLLM picks on this host; two pairings put an amx engine beside a vec one) goes from the producer ranks' connector workers to the consumer ranks', through
 ``KVTransport`` over loopback TCP with its checksums and authentication, as a prefill worker streams
 it: layer by layer, in prefill chunks of ``--chunk`` tokens. Each producer rank sends each consumer
 rank the KV heads it owns (SmolLM2's 3 KV heads: TP 1 <-> 3; at TP 6 each head is replicated on two
@@ -34,16 +34,20 @@ from _common import median, verdict
 
 from services.engine.args import checkpoint_config, resolve_dtype
 from services.kv_connector.layouts.pages import KVLayout
-from services.kv_connector.layouts.apply import TORCH_DTYPES, attention_view, token_view
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, DTYPE_BYTES
-from services.kv_connector.layouts.from_vllm import spec_from_vllm
+from services.kv_connector.layouts.apply import TORCH_DTYPES, attention_view, read_tokens
+from services.kv_connector.layouts.spec import DTYPE_BYTES
+from services.kv_connector.layouts.from_vllm import KERNEL_LAYOUTS, cpu_kernel_layout, spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import KVTransport, TransportSettings
 
-# (prefill block size, decode block size, prefill TP, decode TP)
+# (prefill block size, decode block size, prefill TP, decode TP[, prefill kernel, decode kernel]): by
+# default each side's KV cache in the layout of the kernel vLLM picks on this host (``cpu-amx`` on hosts
+# with AMX for bfloat16, ``cpu-k-transposed`` elsewhere); the last two pair an amx engine with a vec one
+# (a mixed fleet), converted by the consumer
 PAIRINGS = ((128, 128, 1, 1), (64, 128, 1, 1), (128, 64, 1, 1), (32, 128, 1, 1), (128, 32, 1, 1),
-            (128, 128, 1, 3), (128, 128, 3, 1), (64, 128, 3, 1), (128, 128, 1, 6))
+            (128, 128, 1, 3), (128, 128, 3, 1), (64, 128, 3, 1), (128, 128, 1, 6),
+            (128, 128, 1, 1, "amx", "vec"), (64, 128, 1, 3, "vec", "amx"))
 SECRET = "bench-hetero-secret"
 TARGET = 1.01  # wire bytes per KV byte: the KV once, framing under 1%
 RECEIVE_TIMEOUT_S = 120.0
@@ -68,6 +72,7 @@ class Result:
     decode_block: int
     prefill_tp: int
     decode_tp: int
+    kernels: str
     wire_bytes: int
     passed_on_bytes: int
     kv_bytes: int
@@ -80,7 +85,8 @@ class Result:
 
     @property
     def name(self) -> str:
-        return (f"{self.prefill_block}/TP{self.prefill_tp} -> {self.decode_block}/TP{self.decode_tp}")
+        return (f"{self.prefill_block}/TP{self.prefill_tp} -> {self.decode_block}/TP{self.decode_tp}"
+                + (f" {self.kernels}" if self.kernels else ""))
 
 
 def embedded_model() -> Model:
@@ -95,12 +101,14 @@ def embedded_model() -> Model:
 
 
 class Engine:
-    """One rank's paged KV cache (vLLM's CPU layout) and its connector worker with a real transport
-    (listening at ``listen_port`` on a consumer)."""
+    """One rank's paged KV cache (in ``cache_layout``, by default the one of the CPU kernel vLLM picks
+    on this host) and its connector worker with a real transport (listening at ``listen_port`` on a
+    consumer)."""
 
     def __init__(self, model: Model, block_size: int, num_tokens: int, fill: bool, listen_port: int | None,
-                 tp_size: int = 1, tp_rank: int = 0) -> None:
+                 tp_size: int = 1, tp_rank: int = 0, cache_layout: str = "") -> None:
         self.block_size = block_size
+        self.cache_layout = cache_layout or cpu_kernel_layout(model.dtype, block_size, model.head_size)
         self.num_blocks = math.ceil(num_tokens / block_size) + 1  # block 0 is vLLM's null block
         heads = max(1, model.kv_heads // tp_size)  # vLLM replicates KV heads on more ranks than heads
         attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=model.head_size,
@@ -114,11 +122,11 @@ class Engine:
         caches = {name: (torch.randn(shape, generator=generator) if fill else torch.zeros(shape))
                   .to(TORCH_DTYPES[model.dtype]) for name in self.names}
         self.spec = spec_from_vllm(model.name, config, self.names, tp_rank, tp_size, model.kv_heads,
-                                   cache_layout=CPU_K_TRANSPOSED)
+                                   cache_layout=self.cache_layout)
         settings = TransportSettings(secret=SECRET)
         self.worker = PrfaasConnectorWorker(lambda: KVTransport(settings, listen_port=listen_port),
                                             idle_timeout_s=RECEIVE_TIMEOUT_S, max_early_bytes=1 << 32)
-        self.worker.register_kv_caches(KVLayout(config, caches), self.spec)
+        self.worker.register_kv_caches(KVLayout(config, caches, self.cache_layout), self.spec)
         self.block_ids = tuple(range(1, self.num_blocks))
 
     def tokens(self, layer: str, num_tokens: int) -> torch.Tensor:
@@ -126,7 +134,8 @@ class Engine:
         view = attention_view(self.worker.layout.caches[layer], self.spec.layers[0], self.block_size)
         positions = torch.arange(num_tokens)
         blocks = torch.tensor(self.block_ids)[positions // self.block_size]
-        return torch.stack([token_view(view, half)[blocks, :, positions % self.block_size] for half in (0, 1)], dim=2)
+        return torch.stack([read_tokens(view, half, self.cache_layout)[blocks, :, positions % self.block_size]
+                            for half in (0, 1)], dim=2)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -189,11 +198,14 @@ def transfer(producers: list[Engine], consumers: list[Engine], port: int, transf
     return max(float(value) for value in outcome.values()) - start
 
 
-def run_pairing(model: Model, pairing: tuple[int, int, int, int], args) -> Result:
-    prefill_block, decode_block, prefill_tp, decode_tp = pairing
+def run_pairing(model: Model, pairing: tuple, args) -> Result:
+    prefill_block, decode_block, prefill_tp, decode_tp = pairing[:4]
+    kernels = pairing[4:] or ("", "")
+    layouts = [KERNEL_LAYOUTS[kernel] if kernel else "" for kernel in kernels]
     port = _common.free_ports(decode_tp)
-    producers = [Engine(model, prefill_block, args.tokens, True, None, prefill_tp, rank) for rank in range(prefill_tp)]
-    consumers = [Engine(model, decode_block, args.tokens, False, port + rank, decode_tp, rank)
+    producers = [Engine(model, prefill_block, args.tokens, True, None, prefill_tp, rank, layouts[0])
+                 for rank in range(prefill_tp)]
+    consumers = [Engine(model, decode_block, args.tokens, False, port + rank, decode_tp, rank, layouts[1])
                  for rank in range(decode_tp)]
     try:
         transfer(producers, consumers, port, "warm-up", args.tokens, args.chunk)
@@ -207,7 +219,8 @@ def run_pairing(model: Model, pairing: tuple[int, int, int, int], args) -> Resul
                                all_heads(producers, name, args.tokens, model)):
                 raise RuntimeError(f"{pairing}: layer {name} differs after the transfer")
         payload = model.kv_bytes_per_token * _sent_tokens(args, prefill_block)
-        return Result(prefill_block, decode_block, prefill_tp, decode_tp, wire, passed_on,
+        return Result(prefill_block, decode_block, prefill_tp, decode_tp, " -> ".join(kernels) if any(kernels) else "",
+                      wire, passed_on,
                       model.kv_bytes_per_token * args.tokens, payload, median(seconds))
     finally:
         for engine in producers + consumers:
@@ -243,15 +256,16 @@ def main(argv=None) -> int:
           f"chunks of {args.chunk}, {args.rounds} rounds", flush=True)
     results = []
     for pairing in PAIRINGS:
-        print("block size {} -> {}, TP {} -> {} ...".format(*pairing), flush=True)
+        print("block size {} -> {}, TP {} -> {}".format(*pairing[:4])
+              + (" kernel {} -> {}".format(*pairing[4:]) if pairing[4:] else "") + " ...", flush=True)
         results.append(run_pairing(model, pairing, args))
     same = results[0].seconds
-    print(f"\n{'pairing':>22} {'KV MB':>8} {'wire MB':>8} {'wire/KV':>8} {'padding':>8} {'framing':>8} "
+    print(f"\n{'pairing':>36} {'KV MB':>8} {'wire MB':>8} {'wire/KV':>8} {'padding':>8} {'framing':>8} "
           f"{'ms':>7} {'GB/s':>6} {'time vs same':>12} {'passed on MB':>12}")
     for r in results:
         padding = (r.payload_bytes - r.kv_bytes) / r.kv_bytes
         framing = (r.wire_bytes - r.payload_bytes) / r.kv_bytes
-        print(f"{r.name:>22} {r.kv_bytes / 1e6:>8.1f} {r.wire_bytes / 1e6:>8.1f} "
+        print(f"{r.name:>36} {r.kv_bytes / 1e6:>8.1f} {r.wire_bytes / 1e6:>8.1f} "
               f"{r.ratio:>8.4f} {padding:>8.2%} {framing:>8.3%} {r.seconds * 1e3:>7.1f} "
               f"{r.kv_bytes / r.seconds / 1e9:>6.2f} {r.seconds / same:>12.2f} {r.passed_on_bytes / 1e6:>12.1f}")
     worst = max(results, key=lambda r: r.ratio)

@@ -46,9 +46,15 @@ class EngineConfig:
                                               "default when null.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV of shared prompt prefixes inside one engine.")
     block_size: int | None = _opt(None, "Tokens per KV-cache block (vLLM's `block_size`); null: vLLM's default "
-                                  "(128 on CPU hosts, where it must be a multiple of 32). A prefill worker and a "
-                                  "decode worker may use different sizes: the decode worker re-blocks what it "
-                                  "receives (vLLM's CPU engines; see docs/deployment.md).")
+                                  "(128 on CPU hosts). A prefill worker and a decode worker may use different "
+                                  "sizes and KV cache layouts: the decode worker re-blocks and converts what it "
+                                  "receives. Layouts mapped: vLLM's CPU kernels `vec` and `vec16` "
+                                  "(`cpu-k-transposed`), `amx` (`cpu-amx`: bfloat16 on Intel hosts with AMX, "
+                                  "blocks a multiple of 32 tokens), and GPU backends' strided views "
+                                  "(`kv-token-rows`); between `cpu-amx` and another layout, the two block sizes "
+                                  "must share a multiple of 16 tokens. Other kernels (`cpu-neon`, ...), MLA and "
+                                  "split kernel blocks: the router refuses the pair, naming both layouts, and "
+                                  "prefills its prompts elsewhere (docs/gpu.md, docs/deployment.md).")
     enable_chunked_prefill: bool = _opt(True, "Split a prompt across engine steps when the step's token budget "
                                         "is short (vLLM's chunked prefill). Off: each prompt is prefilled "
                                         "in one step, so `max_num_batched_tokens` must be at least "

@@ -27,7 +27,7 @@ from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats_file import StatsPublisher, rank_path
 from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
 from services.kv_connector.layouts.spec import LayoutSpec
-from services.kv_connector.layouts.from_vllm import spec_from_vllm, with_cache_layout
+from services.kv_connector.layouts.from_vllm import engine_cache_layout, spec_from_vllm, with_cache_layout
 from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import setup_package_logging
 
@@ -40,7 +40,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.of(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         if self.settings.logging:
             setup_package_logging(**self.settings.logging)
-        pool = self.settings.open_pool(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
+        pool = self.settings.open_pool(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size,
+                                       engine_cache_layout(kv_cache_config, vllm_config.cache_config.cache_dtype))
         self.pool_io = pool[0] if pool else None
         self.scheduler = self.worker = self.pool_worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -88,7 +89,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side (worker process, engine thread) -----------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        layout = KVLayout(self._kv_cache_config, kv_caches)
+        layout = KVLayout(self._kv_cache_config, kv_caches,
+                          engine_cache_layout(self._kv_cache_config, self._vllm_config.cache_config.cache_dtype))
         self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches),
                                                          layout.physical))
         if self.pool_worker is not None:

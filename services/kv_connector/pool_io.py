@@ -39,7 +39,7 @@ class PoolModel(GroupIds):
         return tuple(self.query(block_hashes, rank) for rank in range(self.tp_size))
 
     @classmethod
-    def of(cls, model: str, kv_cache_config, tp_size: int = 1) -> "PoolModel | None":
+    def of(cls, model: str, kv_cache_config, tp_size: int = 1, cache_layout: str = "") -> "PoolModel | None":
         """None when a group is neither full attention nor a recurrent state (e.g. sliding window),
         or the full-attention groups disagree on the block size: the pool is then not used."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
@@ -59,7 +59,8 @@ class PoolModel(GroupIds):
                 return None
         if len(block_sizes) != 1:
             return None
-        return cls(layout_key(model, spec_fingerprint(kv_cache_config)), block_sizes.pop(), tuple(groups), tp_size)
+        key = layout_key(model, spec_fingerprint(kv_cache_config, cache_layout))
+        return cls(key, block_sizes.pop(), tuple(groups), tp_size)
 
 
 class PoolIO:

@@ -54,14 +54,15 @@ class ConnectorSettings:
 
         return TransportSettings.of(self.transport)
 
-    def open_pool(self, kv_cache_config, tp_size: int = 1):
-        """The pool's I/O bridge and this engine's pool keys (one per TP rank); None when no pool is
-        configured or the model has KV-cache groups the pool cannot hold."""
+    def open_pool(self, kv_cache_config, tp_size: int = 1, cache_layout: str = ""):
+        """The pool's I/O bridge and this engine's pool keys (one per TP rank; ``cache_layout``: the
+        CPU kernel's, ``KVLayout``); None when no pool is configured or the model has KV-cache groups
+        the pool cannot hold."""
         from services.kv_connector.pool_io import PoolIO, PoolModel
 
         if not self.cache_pool_address:
             return None
-        model = PoolModel.of(self.cache_pool_model, kv_cache_config, tp_size)
+        model = PoolModel.of(self.cache_pool_model, kv_cache_config, tp_size, cache_layout)
         if model is None:
             logger.warning("cache pool %s not used: the model has KV-cache groups it cannot hold",
                            self.cache_pool_address)

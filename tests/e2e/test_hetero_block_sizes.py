@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, LayoutSpec
+from services.kv_connector.layouts.from_vllm import cpu_kernel_layout
+from services.kv_connector.layouts.spec import SLICEABLE_LAYOUTS, AttentionLayer, LayoutSpec
 from support.baseline import colocated_greedy
 from support.deployment import Deployment, deployment_config, wait_until
 from support.ports import free_port
@@ -102,12 +103,18 @@ def test_the_router_maps_the_pair(setup, cluster):
         return httpx.get(cluster.base_url + "/health", timeout=10).json()["layouts"]
 
     assert wait_until(lambda: len(pairs()) == 1, 30)
-    assert pairs() == [{"prefill": "prefill-0", "decode": "decode-0", "verdict": "mappable", "reason": ""}]
+    assert pairs() == [{"prefill": "prefill-0", "decode": "decode-0", "verdict": "mappable", "reason": ""}], \
+        f"the pair must map on every x86 host vLLM's CPU build runs on: {pairs()}"
     assert cluster.metric("prfaas_router_layout_unmappable_pairs") == 0
     prefill, decode = (LayoutSpec.from_bytes(cluster.worker_stats(name).layout_spec)
                        for name in ("prefill-0", "decode-0"))
     assert set(prefill.block_sizes) == {setup.prefill_block} and set(decode.block_sizes) == {setup.decode_block}
-    assert prefill.cache_layout == decode.cache_layout == CPU_K_TRANSPOSED
+    # the layout of the kernel vLLM picks on this host (cpu-amx on hosts with AMX for bfloat16, else
+    # cpu-k-transposed), one the connector maps
+    for spec in (prefill, decode):
+        attention = next(layer for layer in spec.layers if isinstance(layer, AttentionLayer))
+        kernel = cpu_kernel_layout(spec.dtype, spec.block_sizes[attention.group], attention.head_size)
+        assert spec.cache_layout == kernel and kernel in SLICEABLE_LAYOUTS, (spec.cache_layout, kernel)
 
 
 def test_long_prompts_prefill_remotely_and_decode_right(setup, cluster, expected):

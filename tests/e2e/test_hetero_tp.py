@@ -147,6 +147,8 @@ def test_the_workers_announce_their_tp_sizes_and_the_router_maps_every_pair(clus
     workers = [_name(tp_size) for tp_size in model.tp_sizes]
     every_pair = {(prefill, decode, "mappable") for prefill in workers for decode in workers if prefill != decode}
     assert wait_until(lambda: len(pairs()) == len(every_pair), 30), pairs()
+    refused = [pair for pair in pairs() if pair["verdict"] != "mappable"]
+    assert not refused, f"pairs that must map on every x86 host vLLM's CPU build runs on were refused: {refused}"
     assert {(pair["prefill"], pair["decode"], pair["verdict"]) for pair in pairs()} == every_pair
 
 

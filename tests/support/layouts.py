@@ -41,9 +41,10 @@ def mamba2(name: str, group: int, tp: int, heads: int = 4, head_dim: int = 4, gr
 
 
 def gdn_model(tp: int, block_size: int = 16, model: str = MODEL, dtype: str = "bfloat16",
-              cache_layout: str = "") -> LayoutSpec:
+              cache_layout: str = "", head_size: int = 8) -> LayoutSpec:
     """Qwen3-Next-like: three Gated-DeltaNet layers and one full-attention layer, a group each."""
-    layers = (gdn("layers.0", 0, tp), gdn("layers.1", 1, tp), gdn("layers.2", 2, tp), attention("layers.3", 3, tp))
+    layers = (gdn("layers.0", 0, tp), gdn("layers.1", 1, tp), gdn("layers.2", 2, tp),
+              attention("layers.3", 3, tp, head_size=head_size))
     return LayoutSpec(model, dtype, 0, tp, (block_size,) * 4, layers, cache_layout)
 
 

@@ -157,7 +157,7 @@ def test_identical_layouts_copy_pages_as_they_are():
 @pytest.mark.parametrize("producer_kwargs, consumer_kwargs, reason", [
     ({"announce": False}, {}, "the producer announced no layout spec"),
     ({}, {"announce": False}, "this engine announced no layout spec"),
-    ({"cache_layout": ""}, {}, "need re-blocking, which needs both attention caches in one layout of vLLM's CPU"),
+    ({"cache_layout": ""}, {}, "need re-blocking, which needs both attention caches in layouts this connector maps"),
 ])
 def test_a_layout_the_consumer_cannot_re_block_fails_the_transfer_and_writes_nothing(producer_kwargs,
                                                                                       consumer_kwargs, reason, caplog):

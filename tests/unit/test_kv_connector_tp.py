@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from services.kv_connector.layouts.pages import KVLayout
-from services.kv_connector.layouts.apply import (attention_view, conv_state_view, state_page, temporal_state_view,
-                                                token_view)
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, TOKEN_ROWS
+from services.kv_connector.layouts.apply import (attention_view, conv_state_view, read_tokens, state_page,
+                                                temporal_state_view)
+from services.kv_connector.layouts.spec import CPU_AMX, CPU_K_TRANSPOSED, TOKEN_ROWS
 from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker
@@ -73,35 +73,39 @@ class _Wire:
         return "telemetry"
 
 
+CACHE_LAYOUTS = {"cpu": CPU_K_TRANSPOSED, "amx": CPU_AMX, "LBNHC": TOKEN_ROWS, "LBHNC": TOKEN_ROWS}
+
+
 def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int = HEADS,
-          code_sends: bool = False, layout: str = "cpu") -> PrfaasConnectorWorker:
+          code_sends: bool = False, layout: str = "cpu", head_size: int = HEAD_SIZE) -> PrfaasConnectorWorker:
     """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer
     of ``kv_heads`` KV heads, group 1) at ``tp_size``, caches random (``fill``) or zero, the attention
-    cache in vLLM's CPU layout (``layout`` "cpu") or as its GPU backends register it, a strided
+    cache in the layout of vLLM's CPU vec kernels (``layout`` "cpu") or its amx kernel ("amx"; its
+    fingerprint says so, as the connector's does), or as its GPU backends register it, a strided
     [blocks, heads, tokens, K|V] view of a token-major ("LBNHC") or head-major ("LBHNC") buffer."""
     heads, k_heads, v_heads = max(1, kv_heads // tp_size), K_HEADS // tp_size, V_HEADS // tp_size
     conv_dim = 2 * k_heads * K_DIM + v_heads * V_DIM
     page_bytes = max(256, (conv_dim * STATE_LEN + v_heads * V_DIM * K_DIM) * 2)
     state = SimpleNamespace(block_size=block_size, shapes=((STATE_LEN, conv_dim), (v_heads, V_DIM, K_DIM)),
                             mamba_type="gdn_attn", dtypes=(torch.bfloat16, torch.bfloat16), page_size_bytes=page_bytes)
-    attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    attention = SimpleNamespace(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16)
     config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
         SimpleNamespace(layer_names=["l0"], kv_cache_spec=state),
         SimpleNamespace(layer_names=["l1"], kv_cache_spec=attention)])
     # ranks that replicate a KV head hold the same KV for it, as vLLM's do
     generator = torch.Generator().manual_seed(100 * tp_size + tp_rank // max(1, tp_size // kv_heads))
-    attention_cache = torch.randn(NUM_BLOCKS, heads, block_size, 2 * HEAD_SIZE, generator=generator)
+    attention_cache = torch.randn(NUM_BLOCKS, heads, block_size, 2 * head_size, generator=generator)
     if layout == "LBNHC":
         attention_cache = attention_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
     generator = torch.Generator().manual_seed(100 * tp_size + tp_rank)
     state_cache = torch.randn(NUM_BLOCKS, page_bytes // 2, generator=generator).to(torch.bfloat16).view(torch.uint8)
     caches = {"l0": state_cache if fill else torch.zeros_like(state_cache),
               "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
-    spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads,
-                          cache_layout=CPU_K_TRANSPOSED if layout == "cpu" else TOKEN_ROWS)
+    kernel = CACHE_LAYOUTS[layout] if layout in ("cpu", "amx") else ""
+    spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads, cache_layout=CACHE_LAYOUTS[layout])
     worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank), idle_timeout_s=10.0, max_early_bytes=1 << 24,
                                    code_sends=code_sends)
-    worker.register_kv_caches(KVLayout(config, caches), spec)
+    worker.register_kv_caches(KVLayout(config, caches, kernel), spec)
     return worker
 
 
@@ -155,7 +159,7 @@ def _heads(worker, blocks: list[int], block_size: int) -> torch.Tensor:
     """K and V of every token on this rank, [tokens, local heads, 2, head_size]."""
     spec = worker._plans._spec
     view = attention_view(worker.layout.caches["l1"], spec.layers[1], block_size, spec.cache_layout)
-    k, v = token_view(view, 0, spec.cache_layout), token_view(view, 1, spec.cache_layout)
+    k, v = read_tokens(view, 0, spec.cache_layout), read_tokens(view, 1, spec.cache_layout)
     return torch.stack([torch.stack([k[blocks[t // block_size], :, t % block_size],
                                      v[blocks[t // block_size], :, t % block_size]], dim=1) for t in range(NUM_TOKENS)])
 
@@ -181,9 +185,11 @@ def _distinct(per_rank: list, dim: int, units: int):
 @pytest.mark.parametrize("src_tp, dst_tp, src_block, dst_block", [(1, 2, 32, 32), (2, 1, 32, 32), (1, 2, 16, 32),
                                                                    (2, 1, 64, 32), (2, 2, 16, 32), (1, 4, 32, 32),
                                                                    (2, 4, 16, 32), (4, 1, 32, 32), (4, 2, 32, 16)])
-def test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block, layout="cpu"):
-    producers = [_rank(src_tp, r, src_block, fill=True, layout=layout) for r in range(src_tp)]
-    consumers = [_rank(dst_tp, r, dst_block, fill=False, layout=layout) for r in range(dst_tp)]
+def test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block, layout="cpu",
+                                                          dst_layout=None, head_size=HEAD_SIZE):
+    producers = [_rank(src_tp, r, src_block, fill=True, layout=layout, head_size=head_size) for r in range(src_tp)]
+    consumers = [_rank(dst_tp, r, dst_block, fill=False, layout=dst_layout or layout, head_size=head_size)
+                 for r in range(dst_tp)]
     src_blocks, dst_blocks = _blocks(src_block, 1), _blocks(dst_block, 2)
     _prefill(producers, src_blocks, dst_tp)
     results = _deliver(producers, consumers, dst_blocks)
@@ -214,6 +220,21 @@ def test_gpu_backend_layouts_slice_and_re_block_the_same_way(src_tp, dst_tp, src
     test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block, layout)
     rank = _rank(1, 0, 32, fill=True, layout=layout)
     assert rank.layout.physical["l1"].name == layout and rank._plans._spec.cache_layout == TOKEN_ROWS
+
+
+@pytest.mark.parametrize("src_layout, dst_layout", [("amx", "amx"), ("amx", "cpu"), ("cpu", "amx"), ("amx", "LBNHC")])
+@pytest.mark.parametrize("src_tp, dst_tp, src_block, dst_block", [(1, 1, 32, 32), (1, 2, 32, 32), (2, 1, 64, 32),
+                                                                   (1, 1, 32, 64), (4, 2, 32, 16)])
+def test_amx_and_other_kernels_exchange_kv_through_a_conversion(src_tp, dst_tp, src_block, dst_block, src_layout,
+                                                               dst_layout):
+    """vLLM's amx kernel packs a block's K and V for AMX tiles in one cache shape with the vec kernel's:
+    the fingerprints differ by the kernel (so pages are never copied as they are between the two, even
+    at equal TP and block sizes), and the consumer converts, re-blocks and slices group by group."""
+    if src_layout != dst_layout and (src_tp, dst_tp, src_block, dst_block) == (1, 1, 32, 32):
+        assert _rank(1, 0, 32, True, layout=src_layout, head_size=16).layout.fingerprint != \
+            _rank(1, 0, 32, True, layout=dst_layout, head_size=16).layout.fingerprint
+    test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block, src_layout,
+                                                          dst_layout, head_size=16)
 
 
 def test_a_contiguous_slice_of_the_conv_state_is_not_what_a_rank_receives():

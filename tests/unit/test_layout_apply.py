@@ -9,11 +9,14 @@ import pytest
 import torch
 from support.layouts import gdn, gdn_model, mamba_model, ranks
 
-from services.kv_connector.layouts.apply import (attention_view, conv_state_view, from_payload, slice_attention,
-                                                slice_state, temporal_state_view, token_view, write_attention,
-                                                write_state)
+from services.kv_connector.layouts.apply import (attention_view, conv_state_view, from_payload,
+                                                slice_attention, slice_state, temporal_state_view, tile_view,
+                                                token_view, write_attention, write_state)
+from services.kv_connector.layouts.apply import read_tokens as tokens_in
+from services.kv_connector.layouts.from_vllm import KERNEL_LAYOUTS
 from services.kv_connector.layouts.mapping import LayoutMap, Piece, plan_mapping
-from services.kv_connector.layouts.spec import AttentionLayer, LayoutSpec, LinearLayer, Sharded
+from services.kv_connector.layouts.spec import (CPU_AMX, CPU_K_TRANSPOSED, AttentionLayer, LayoutSpec, LinearLayer,
+                                                Sharded)
 
 NUM_TOKENS = 300
 FRAME_BLOCKS = 2  # producer blocks per frame, as the worker streams a layer chunk by chunk
@@ -193,11 +196,45 @@ def test_consumer_blocks_marked_none_are_left_alone():
 
 
 KERNEL_LAYER = AttentionLayer("layers.0", 0, Sharded("kv_heads", 2, 64, 2))  # head sizes the kernel supports
+ISA_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED, "amx": CPU_AMX}
+# vLLM's AVX2 build of its CPU ops has no amx kernel ("Unsupported CPU attention configuration"): there
+# the layout is checked against ``_reference_cache`` alone, written from the kernel's source
+KERNEL_MISSING = "Unsupported CPU attention configuration"
 
 
-def _kernel_cache(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], block_size: int) -> torch.Tensor:
+def _offsets(isa: str, token: torch.Tensor, channel: torch.Tensor, block_size: int,
+             head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's ``cpu_attn_reshape_and_cache`` puts K and V of (token in block, channel) within a
+    (block, head)'s K area and V area, read from its source at v0.32.0 (csrc/cpu/cpu_attn_vec.hpp,
+    cpu_attn_vec16.hpp: K transposed, V as it is; cpu_attn_amx.hpp: K packed as 16-token groups of
+    channel pairs, V as 16-channel groups of token pairs)."""
+    if isa in ("vec", "vec16"):
+        return channel * block_size + token, token * head_size + channel
+    k = (token // 16) * 16 * head_size + (channel // 2) * 32 + (token % 16) * 2 + channel % 2
+    v = (channel // 16) * 16 * block_size + (token // 2) * 32 + (channel % 16) * 2 + token % 2
+    return k, v
+
+
+def _reference_cache(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], block_size: int,
+                     isa: str) -> torch.Tensor:
+    """What ``_kernel_cache`` holds, placed element by element at ``_offsets``."""
+    tokens, heads, head_size = keys.shape
+    cache = torch.zeros(max(block_ids) + 1, heads, block_size, 2 * head_size, dtype=keys.dtype)
+    areas = cache.view(cache.shape[0], heads, 2, block_size * head_size)
+    token = torch.arange(tokens)
+    blocks = torch.tensor(block_ids)[token // block_size][:, None]
+    k, v = _offsets(isa, (token % block_size)[:, None], torch.arange(head_size)[None, :], block_size, head_size)
+    for head in range(heads):
+        areas[:, head, 0][blocks, k] = keys[:, head]
+        areas[:, head, 1][blocks, v] = values[:, head]
+    return cache
+
+
+def _kernel_cache(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int], block_size: int,
+                  isa: str | None = None) -> torch.Tensor | None:
     """A cache of ``[blocks, heads, block_size, 2 * head_size]`` holding ``keys``/``values``
-    ([tokens, heads, head_size]) in ``block_ids``, written by vLLM's own CPU kernel."""
+    ([tokens, heads, head_size]) in ``block_ids``, written by vLLM's own CPU kernel for ``isa`` (by
+    default the one vLLM picks on this host); None where this host's build of the op lacks it."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -205,31 +242,147 @@ def _kernel_cache(keys: torch.Tensor, values: torch.Tensor, block_ids: list[int]
     cache = torch.zeros(max(block_ids) + 1, heads, block_size, 2 * head_size, dtype=keys.dtype)
     key_cache, value_cache = cache.view(cache.shape[0], heads, 2 * block_size, head_size).chunk(2, dim=2)
     slots = torch.tensor([block_ids[t // block_size] * block_size + t % block_size for t in range(tokens)])
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots,
-                                   _get_attn_isa(keys.dtype, block_size, head_size))
+    try:
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots,
+                                       isa or _get_attn_isa(keys.dtype, block_size, head_size))
+    except RuntimeError as error:
+        assert KERNEL_MISSING in str(error) and isa == "amx" and not torch.cpu._is_avx512_supported(), error
+        return None
     return cache
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 128])
-def test_token_view_reads_k_and_v_where_vllms_cpu_kernel_writes_them(block_size):
-    layer = KERNEL_LAYER
-    keys, values = (torch.randn(2 * block_size, 2, 64).to(torch.bfloat16) for _ in range(2))
-    view = attention_view(_kernel_cache(keys, values, [3, 1], block_size), layer, block_size)
-    for half, expected in ((0, keys), (1, values)):
-        found = token_view(view, half)[[3, 1]].permute(0, 2, 1, 3).flatten(0, 1)  # [tokens, heads, head]
-        assert torch.equal(found, expected)
+def _cache(keys, values, block_ids, block_size, isa: str) -> torch.Tensor:
+    """The kernel's cache where this host's build has the kernel, else the reference's."""
+    cache = _kernel_cache(keys, values, block_ids, block_size, isa)
+    return _reference_cache(keys, values, block_ids, block_size, isa) if cache is None else cache
 
 
-@pytest.mark.parametrize("src_size, dst_size", [(64, 128), (128, 32), (32, 48)])
-def test_re_blocked_kv_is_what_vllms_kernel_writes_with_the_consumers_block_size(src_size, dst_size):
-    layer = KERNEL_LAYER
+def _kv(tokens: int, heads: int = 2, head_size: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(tokens, heads, head_size, generator=generator).to(torch.bfloat16) for _ in range(2))
+
+
+def _found(cache: torch.Tensor, block_ids: list[int], block_size: int, layout: str, tokens: int) -> torch.Tensor:
+    """K and V of the first ``tokens`` tokens of ``block_ids``, [2, tokens, heads, head_size]."""
+    layer = AttentionLayer("layers.0", 0, Sharded("kv_heads", cache.shape[1], cache.shape[3] // 2, cache.shape[1]))
+    view = attention_view(cache, layer, block_size)
+    return torch.stack([tokens_in(view, half, layout)[block_ids].permute(0, 2, 1, 3).flatten(0, 1)[:tokens]
+                        for half in (0, 1)])
+
+
+KERNEL_SHAPES = [("vec", 32, 64), ("vec", 128, 64), ("vec16", 16, 64), ("vec16", 48, 64), ("vec16", 32, 80),
+                 ("amx", 32, 64), ("amx", 64, 64), ("amx", 128, 64), ("amx", 32, 128), ("amx", 128, 128)]
+
+
+def test_every_kernel_layout_is_checked_here():
+    assert ISA_LAYOUTS == KERNEL_LAYOUTS and {isa for isa, _, _ in KERNEL_SHAPES} == set(KERNEL_LAYOUTS)
+
+
+@pytest.mark.parametrize("isa, block_size, head_size", KERNEL_SHAPES)
+def test_the_reference_layouts_are_what_vllms_kernels_write(isa, block_size, head_size):
+    keys, values = _kv(2 * block_size, head_size=head_size)
+    kernel = _kernel_cache(keys, values, [3, 1], block_size, isa)
+    reference = _reference_cache(keys, values, [3, 1], block_size, isa)
+    assert kernel is None or torch.equal(kernel, reference)
+    assert reference[[3, 1]].count_nonzero() > 0.99 * reference[[3, 1]].numel()  # every element placed
+
+
+@pytest.mark.parametrize("isa, block_size, head_size", KERNEL_SHAPES)
+def test_token_views_read_k_and_v_where_vllms_kernels_write_them(isa, block_size, head_size):
+    layout = KERNEL_LAYOUTS[isa]
+    keys, values = _kv(2 * block_size, head_size=head_size)
+    cache = _cache(keys, values, [3, 1], block_size, isa)
+    assert torch.equal(_found(cache, [3, 1], block_size, layout, 2 * block_size), torch.stack([keys, values]))
+    view = attention_view(cache, KERNEL_LAYER, block_size) if head_size == 64 else None
+    if layout == CPU_AMX:
+        with pytest.raises(ValueError, match="tile_view"):
+            token_view(view, 0, layout)
+    elif head_size % 16 == 0 and block_size % 16 == 0 and view is not None:  # the tiled view reads the same
+        for half in (0, 1):
+            tiles = tile_view(view, half, layout)
+            assert torch.equal(tiles.flatten(5, 7).flatten(2, 4), token_view(view, half, layout))
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("dst_isa", ["vec", "amx"])
+def test_tp_slicing_writes_what_vllms_kernel_writes_on_each_rank(isa, dst_isa):
+    """TP 1 -> 2 (each consumer rank one head of the producer's two) and 2 -> 1 (each producer rank's
+    head into its place), from a cache the kernel of ``isa`` wrote to one ``dst_isa``'s would write."""
+    block_size, tokens, ids = 64, 3 * 64 - 5, [2, 5, 1]
+    keys, values = _kv(tokens, seed=1)
+    layout, dst_layout = KERNEL_LAYOUTS[isa], KERNEL_LAYOUTS[dst_isa]
+    one_head = AttentionLayer("layers.0", 0, Sharded("kv_heads", 2, 64, 1))
+    whole = attention_view(_cache(keys, values, ids, block_size, isa), KERNEL_LAYER, block_size)
+    for rank in range(2):  # 1 -> 2
+        expected = _cache(keys[:, rank:rank + 1], values[:, rank:rank + 1], ids, block_size, dst_isa)
+        target = torch.zeros_like(expected)
+        piece = Piece(0, "kv_heads", rank, 1, 0, rank, rank, 0)
+        write_attention(attention_view(target, one_head, block_size), ids, slice_attention(whole, ids, piece), piece,
+                        0, block_size, dst_layout, layout)
+        assert torch.equal(_found(target, ids, block_size, dst_layout, tokens),
+                           _found(expected, ids, block_size, dst_layout, tokens))
+    expected = _cache(keys, values, ids, block_size, dst_isa)
+    target = torch.zeros_like(expected)
+    for rank in range(2):  # 2 -> 1
+        source = attention_view(_cache(keys[:, rank:rank + 1], values[:, rank:rank + 1], ids, block_size, isa),
+                                one_head, block_size)
+        piece = Piece(0, "kv_heads", rank, 1, rank, 0, 0, rank)
+        write_attention(attention_view(target, KERNEL_LAYER, block_size), ids, slice_attention(source, ids, piece),
+                        piece, 0, block_size, dst_layout, layout)
+    assert torch.equal(_found(target, ids, block_size, dst_layout, tokens),
+                       _found(expected, ids, block_size, dst_layout, tokens))
+
+
+@pytest.mark.parametrize("isa, src_size, dst_isa, dst_size", [
+    ("vec", 64, "vec", 128), ("vec", 128, "vec", 32), ("vec16", 32, "vec16", 48), ("amx", 64, "amx", 128),
+    ("amx", 128, "amx", 32), ("amx", 64, "vec", 128), ("vec", 64, "amx", 128), ("amx", 32, "vec16", 16),
+    ("vec16", 16, "amx", 64), ("amx", 64, "amx", 64), ("amx", 64, "vec", 64)])
+def test_re_blocked_kv_is_what_vllms_kernel_writes_with_the_consumers_block_size(isa, src_size, dst_isa, dst_size):
     tokens = 3 * 128
-    keys, values = (torch.randn(tokens, 2, 64).to(torch.bfloat16) for _ in range(2))
+    keys, values = _kv(tokens, seed=2)
     src_ids = list(range(1, tokens // src_size + 1))
     dst_ids = list(range(2, 2 + -(-tokens // dst_size)))
-    source = attention_view(_kernel_cache(keys, values, src_ids, src_size), layer, src_size)
-    expected = attention_view(_kernel_cache(keys, values, dst_ids, dst_size), layer, dst_size)
+    source = attention_view(_cache(keys, values, src_ids, src_size, isa), KERNEL_LAYER, src_size)
+    expected = _cache(keys, values, dst_ids, dst_size, dst_isa)
     target = torch.zeros_like(expected)
     piece = Piece(3, "kv_heads", 0, 2, 0, 0, 0, 0)
-    write_attention(target, dst_ids, slice_attention(source, src_ids, piece), piece, 0, src_size)
-    assert torch.equal(target[2:2 + tokens // dst_size], expected[2:2 + tokens // dst_size])
+    write_attention(attention_view(target, KERNEL_LAYER, dst_size), dst_ids, slice_attention(source, src_ids, piece),
+                    piece, 0, src_size, KERNEL_LAYOUTS[dst_isa], KERNEL_LAYOUTS[isa])
+    assert torch.equal(target, expected)
+
+
+# e4m3: half a step of the top binade (16/448 of a row's absmax) plus bfloat16's roundings; int8: half
+# a step (1/254) plus bfloat16's rounding of the result (tests/unit/test_wire_codecs.py)
+CODEC_BOUNDS = {"fp8": 0.045, "int8": 1 / 254 + 1 / 256 + 1e-4}
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+@pytest.mark.parametrize("isa, dst_isa", [("vec", "vec"), ("amx", "amx"), ("amx", "vec"), ("vec", "amx")])
+def test_codec_rows_lie_in_one_area_of_every_layout(codec, isa, dst_isa):
+    """A coded row (``codecs.coding_of``: ``max(block_size, head_size)`` values) lies inside one
+    (block, head, K or V) area in every kernel layout, so its scale stays with its head and half; the
+    decoded payload re-blocks and converts like a raw one. In the vec layout a row is one channel of
+    K over the block's tokens; in the amx layout a run of K's 16-token groups of channel pairs, or of
+    V's token pairs of one 16-channel group."""
+    from services.kv_connector.codecs import coding_of, decode, encode
+    from services.kv_transport import codecs
+
+    number = {"fp8": codecs.FP8, "int8": codecs.INT8}[codec]
+    block_size, tokens = 64, 4 * 64
+    keys, values = _kv(tokens, seed=3)
+    keys[:, 0] *= 100  # a head far larger than the other: a row across heads would flatten the small one
+    ids = [4, 1, 3, 2]
+    cache = _cache(keys, values, ids, block_size, isa)
+    dtype, row_elems = coding_of(cache)
+    assert row_elems == max(block_size, 64) and (block_size * 64) % row_elems == 0
+    piece = Piece(0, "kv_heads", 0, 2, 0, 0, 0, 0)
+    payload = slice_attention(attention_view(cache, KERNEL_LAYER, block_size), ids, piece)
+    coded = encode(number, memoryview(payload.contiguous().view(-1).view(torch.uint8).numpy()), dtype, row_elems)
+    decoded = from_payload(bytearray(decode(number, coded, row_elems, torch.bfloat16)), "bfloat16", payload.shape)
+    target = torch.zeros(6, 2, 128, 128, dtype=torch.bfloat16)
+    write_attention(attention_view(target, KERNEL_LAYER, 128), [5, 1], decoded, piece, 0, block_size,
+                    KERNEL_LAYOUTS[dst_isa], KERNEL_LAYOUTS[isa])
+    found = _found(target, [5, 1], 128, KERNEL_LAYOUTS[dst_isa], tokens).float()
+    sent = torch.stack([keys, values]).float()
+    error, absmax = (found - sent).abs().amax(dim=(1, 3)), sent.abs().amax(dim=(1, 3))  # per (K or V, head)
+    assert (error <= CODEC_BOUNDS[codec] * absmax).all() and not torch.equal(found, sent)

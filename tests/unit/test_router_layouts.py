@@ -11,7 +11,7 @@ import pytest
 from services.config import parse_config
 from services.worker_api.types import WorkerStats
 from services.kv_connector.layouts import mapping as layout_map
-from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED, TOKEN_ROWS
+from services.kv_connector.layouts.spec import CPU_AMX, CPU_K_TRANSPOSED, TOKEN_ROWS
 from services.router import layouts
 from services.router.app import RouterApp
 from services.router.layouts import Announcement, LayoutNegotiation, PairVerdict, judge, judge_layouts
@@ -22,6 +22,7 @@ from support.layouts import gdn_model
 BF16 = gdn_model(1).to_bytes()
 FP32 = gdn_model(1, dtype="float32").to_bytes()
 CPU_16 = gdn_model(1, cache_layout=CPU_K_TRANSPOSED).to_bytes()
+AMX_32 = gdn_model(1, block_size=32, cache_layout=CPU_AMX, head_size=64).to_bytes()
 WORKERS = [
     {"name": "d", "service": "decode_worker", "role": "both", "port": 50101, "kv_port": 50102},
     {"name": "p1", "service": "prefill_worker", "cluster": "prfaas", "port": 50103},
@@ -34,15 +35,34 @@ WORKERS = [
     (FP32, BF16, "unmappable", "different KV dtypes: producer float32, consumer bfloat16"),
     (gdn_model(1, model="other").to_bytes(), BF16, "unmappable", "different models: producer 'other'"),
     (BF16, gdn_model(2).to_bytes(), "unmappable",
-     "TP 1 -> 2 needs head slicing, which needs both attention caches in one layout of vLLM's CPU kernels or "
-     "GPU backends"),
+     "TP 1 -> 2 needs head slicing, which needs both attention caches in layouts this connector maps"),
     (BF16, gdn_model(1, block_size=32).to_bytes(), "unmappable",
      "block sizes [16, 16, 16, 16] -> [32, 32, 32, 32] need re-blocking, which needs both attention caches in "
-     "one layout of vLLM's CPU kernels or GPU backends (announced: unknown -> unknown)"),
+     "layouts this connector maps (announced: unknown (none announced) -> unknown (none announced))"),
     (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=TOKEN_ROWS).to_bytes(),
      "mappable", ""),
     (gdn_model(1, cache_layout=TOKEN_ROWS).to_bytes(), gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(),
-     "unmappable", "announced: kv-token-rows -> cpu-k-transposed"),
+     "mappable", ""),  # converted on the consumer
+    # vLLM's amx kernel (Intel hosts with AMX) and its vec kernels (other x86 hosts): converted, also at equal
+    # TP and block sizes, where pages must not be copied as they are
+    (AMX_32, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED, head_size=64).to_bytes(), "mappable", ""),
+    (AMX_32, gdn_model(2, block_size=64, cache_layout=CPU_K_TRANSPOSED, head_size=64).to_bytes(), "mappable", ""),
+    (gdn_model(2, block_size=16, cache_layout=CPU_K_TRANSPOSED, head_size=64).to_bytes(), AMX_32, "mappable", ""),
+    (AMX_32, gdn_model(2, block_size=32, cache_layout=CPU_AMX, head_size=64).to_bytes(), "mappable", ""),
+    (AMX_32, gdn_model(1, block_size=48, cache_layout=CPU_K_TRANSPOSED, head_size=64).to_bytes(), "mappable", ""),
+    (AMX_32, gdn_model(1, block_size=40, cache_layout=CPU_K_TRANSPOSED, head_size=64).to_bytes(), "unmappable",
+     "block sizes [32, 32, 32, 32] -> [40, 40, 40, 40] need re-blocking, which needs block sizes that move whole "
+     "groups of 16 tokens, not [(32, 40)] (announced: cpu-amx (vLLM's CPU amx kernel) -> cpu-k-transposed "
+     "(vLLM's CPU vec and vec16 kernels))"),
+    (AMX_32, gdn_model(1, block_size=32, cache_layout="cpu-neon", head_size=64).to_bytes(), "unmappable",
+     "the attention caches' layouts differ and need converting, which needs both attention caches in layouts this "
+     "connector maps (announced: cpu-amx (vLLM's CPU amx kernel) -> cpu-neon (vLLM's CPU neon kernel, not mapped "
+     "here))"),
+    (gdn_model(1, cache_layout="cpu-neon").to_bytes(), gdn_model(2, cache_layout="cpu-neon").to_bytes(),
+     "unmappable", "TP 1 -> 2 needs head slicing, which needs both attention caches in layouts this connector maps "
+     "(announced: cpu-neon (vLLM's CPU neon kernel, not mapped here) -> cpu-neon"),
+    (gdn_model(1, cache_layout="cpu-neon").to_bytes(), gdn_model(1, cache_layout="cpu-neon").to_bytes(),
+     "mappable", ""),  # one kernel on both sides: pages as they are
     (CPU_16, gdn_model(1, block_size=32, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (CPU_16, gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), "mappable", ""),
     (gdn_model(2, cache_layout=CPU_K_TRANSPOSED).to_bytes(), CPU_16, "mappable", ""),

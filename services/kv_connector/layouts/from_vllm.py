@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from services.kv_connector.layouts.spec import (CPU_K_TRANSPOSED, TOKEN_ROWS, AttentionLayer, Layer, LayoutSpec,
-                                                LinearLayer, Sharded)
+from services.kv_connector.layouts.spec import (CPU_AMX, CPU_K_TRANSPOSED, CPU_KERNEL_PREFIX, TOKEN_ROWS,
+                                                AttentionLayer, Layer, LayoutSpec, LinearLayer, Sharded)
 
 
 def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str], tp_rank: int, tp_size: int,
@@ -42,20 +42,53 @@ def spec_from_vllm(model: str, kv_cache_config: Any, layer_names: Sequence[str],
                       cache_layout)
 
 
-# vLLM CPU attention kernels (by ISA) whose cache layout ``apply.token_view`` reads; checked
-# against the kernel by tests/unit/test_layout_apply.py. Others (AMX, other architectures) are unknown.
-KERNEL_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED}
+# vLLM CPU attention kernels (by ISA) whose cache layout ``apply`` reads; checked against the kernel
+# by tests/unit/test_layout_apply.py. Other kernels (neon, vsx, ...) announce ``cpu-<isa>``: unmapped.
+KERNEL_LAYOUTS = {"vec": CPU_K_TRANSPOSED, "vec16": CPU_K_TRANSPOSED, "amx": CPU_AMX}
 ROW_VIEWS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")  # ``physical`` names of a plain strided [B, H, N, C] view
+
+
+def cpu_kernel_layout(dtype: str, block_size: int, head_size: int, cache_dtype: str = "auto") -> str:
+    """The cache layout of the CPU attention kernel vLLM picks on this host for a KV dtype, block
+    size and head size (``cpu_attn._get_attn_isa``: ``amx`` on hosts with AMX tiles for bfloat16 and
+    blocks of a multiple of 32 tokens, else ``vec`` or ``vec16`` on x86): a ``KERNEL_LAYOUTS`` entry,
+    or ``cpu-<isa>`` for a kernel whose layout is not mapped here. Raises ``NotImplementedError`` where
+    vLLM has no kernel for it (an FP8 cache on a host without AVX-512)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(getattr(torch, dtype), block_size, head_size, cache_dtype)
+    return KERNEL_LAYOUTS.get(isa, f"{CPU_KERNEL_PREFIX}{isa}")
+
+
+def engine_cache_layout(kv_cache_config: Any, cache_dtype: str = "auto") -> str:
+    """What ``KVLayout`` and the cache pool's keys name an engine's attention cache layout by, before
+    its tensors exist: on the CPU platform the kernel's (``cpu_kernel_layout`` of the first attention
+    group), elsewhere ``""`` (a GPU backend's layout shows in its registered strides instead)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+        attention = next((s for s in specs if hasattr(s, "num_kv_heads")), None)
+        if attention is not None:
+            try:
+                return cpu_kernel_layout(_dtype(attention.dtype), attention.block_size, attention.head_size,
+                                         cache_dtype)
+            except (ImportError, NotImplementedError, RuntimeError, AttributeError):
+                return ""
+    return ""
 
 
 def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto", physical: dict | None = None) -> LayoutSpec:
     """``spec`` naming the attention cache layout its engine uses. On the CPU platform the KV dtype and
-    the first attention layer's head and block size choose vLLM's kernel: ``CPU_K_TRANSPOSED`` for the
-    kernels that store it so. Elsewhere ``TOKEN_ROWS`` when every attention layer's registered view
-    (``physical``: ``KVLayout.physical``) is a plain strided ``[B, H, N, C]`` (LBNHC, LBHNC or their
-    block-outermost forms, one kernel block per block), as vLLM 0.32's GPU backends register it;
-    unchanged (unknown) otherwise (MLA, split kernel blocks, no view to judge)."""
-    import torch
+    the first attention layer's head and block size choose vLLM's kernel (``cpu_kernel_layout``).
+    Elsewhere ``TOKEN_ROWS`` when every attention layer's registered view (``physical``:
+    ``KVLayout.physical``) is a plain strided ``[B, H, N, C]`` (LBNHC, LBHNC or their block-outermost
+    forms, one kernel block per block), as vLLM 0.32's GPU backends register it; unchanged (unknown)
+    otherwise (MLA, split kernel blocks, no view to judge)."""
     from vllm.platforms import current_platform
 
     attention = next((layer for layer in spec.layers if isinstance(layer, AttentionLayer)), None)
@@ -64,13 +97,10 @@ def with_cache_layout(spec: LayoutSpec, cache_dtype: str = "auto", physical: dic
     if not current_platform.is_cpu():
         return replace(spec, cache_layout=TOKEN_ROWS) if token_rows(spec, physical) else spec
     try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(getattr(torch, spec.dtype), spec.block_sizes[attention.group], attention.head_size,
-                            cache_dtype)
+        layout = cpu_kernel_layout(spec.dtype, spec.block_sizes[attention.group], attention.head_size, cache_dtype)
     except (ImportError, NotImplementedError, RuntimeError):
         return spec
-    return replace(spec, cache_layout=KERNEL_LAYOUTS.get(isa, ""))
+    return replace(spec, cache_layout=layout)
 
 
 def token_rows(spec: LayoutSpec, physical: dict | None) -> bool:

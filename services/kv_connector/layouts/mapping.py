@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from services.kv_connector.layouts.spec import (
     DTYPE_BYTES,
     SLICEABLE_LAYOUTS,
+    TILE_TOKENS,
+    TILED_LAYOUTS,
     AttentionLayer,
     Layer,
     LayoutSpec,
     LinearLayer,
     Sharded,
+    describe_layout,
 )
 
 
@@ -189,17 +192,42 @@ def _continues(last: Piece, piece: Piece) -> bool:
 
 def data_path_problem(layout_map: LayoutMap, src: LayoutSpec, dst: LayoutSpec) -> str | None:
     """Why the KV data path cannot carry a ``LayoutMap``, or None. Identical layouts travel as whole
-    pages. Otherwise each producer rank sends each consumer rank its pieces (a consumer rank passes
-    on the pieces its replicas hold) and the consumer re-blocks them, which needs both attention
-    caches in one layout ``apply`` reads (``SLICEABLE_LAYOUTS``)."""
-    if layout_map.is_identity:
+    pages (and so do layouts that are alike but where a side did not say its cache layout: the
+    per-transfer fingerprint check is the backstop there). Otherwise each producer rank sends each
+    consumer rank its pieces (a consumer rank passes on the pieces its replicas hold) and the consumer
+    re-blocks them and converts them to its cache layout (``layout_problem``)."""
+    same_layout = src.cache_layout == dst.cache_layout
+    if layout_map.is_identity and (same_layout or not src.cache_layout or not dst.cache_layout):
         return None
-    if src.cache_layout != dst.cache_layout or src.cache_layout not in SLICEABLE_LAYOUTS:
-        what = (f"TP {layout_map.producer_tp} -> {layout_map.consumer_tp} needs head slicing"
-                if layout_map.producer_tp != layout_map.consumer_tp
-                else f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking")
-        return (f"{what}, which needs both attention caches in one layout of vLLM's CPU kernels or GPU backends "
-                f"(announced: {src.cache_layout or 'unknown'} -> {dst.cache_layout or 'unknown'})")
+    problem = layout_problem(src, dst)
+    if problem is None:
+        return None
+    if layout_map.producer_tp != layout_map.consumer_tp:
+        what = f"TP {layout_map.producer_tp} -> {layout_map.consumer_tp} needs head slicing"
+    elif not layout_map.is_identity:
+        what = f"block sizes {list(src.block_sizes)} -> {list(dst.block_sizes)} need re-blocking"
+    else:
+        what = "the attention caches' layouts differ and need converting"
+    return f"{what}, which {problem}"
+
+
+def layout_problem(src: LayoutSpec, dst: LayoutSpec) -> str | None:
+    """Why a consumer cannot write a producer's attention KV into its own cache layout token by token
+    (``apply.write_attention``), or None: both layouts must be ones ``apply`` reads
+    (``SLICEABLE_LAYOUTS``), and where either packs tokens in groups (``TILED_LAYOUTS``), each pair
+    of block sizes must move whole groups and head sizes split into 16-channel groups."""
+    layouts = f"(announced: {describe_layout(src.cache_layout)} -> {describe_layout(dst.cache_layout)})"
+    if src.cache_layout not in SLICEABLE_LAYOUTS or dst.cache_layout not in SLICEABLE_LAYOUTS:
+        return f"needs both attention caches in layouts this connector maps {layouts}"
+    if src.cache_layout not in TILED_LAYOUTS and dst.cache_layout not in TILED_LAYOUTS:
+        return None
+    heads = {layer.head_size for layer in (*src.layers, *dst.layers) if isinstance(layer, AttentionLayer)}
+    groups = {(src.block_sizes[layer.group], dst.block_sizes[layer.group]) for layer in src.layers
+              if isinstance(layer, AttentionLayer) and layer.group < len(dst.block_sizes)}
+    if bad := sorted(size for size in heads if size % TILE_TOKENS):
+        return f"needs head sizes in groups of {TILE_TOKENS} channels, not {bad} {layouts}"
+    if bad := sorted(pair for pair in groups if chunk_size(*pair) % TILE_TOKENS):
+        return f"needs block sizes that move whole groups of {TILE_TOKENS} tokens, not {bad} {layouts}"
     return None
 
 

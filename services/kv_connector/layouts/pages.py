@@ -30,7 +30,11 @@ class LayerInfo:
 
 
 class KVLayout:
-    def __init__(self, kv_cache_config, kv_caches: dict[str, torch.Tensor]) -> None:
+    """``cache_layout``: the attention kernel's cache layout where the registered strides do not show
+    it (``from_vllm.engine_cache_layout``: vLLM's CPU kernels store different layouts in tensors of
+    one shape), part of the fingerprint."""
+
+    def __init__(self, kv_cache_config, kv_caches: dict[str, torch.Tensor], cache_layout: str = "") -> None:
         num_blocks = kv_cache_config.num_blocks
         group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
         specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
@@ -46,7 +50,8 @@ class KVLayout:
         self.is_state_group = tuple(not hasattr(spec, "num_kv_heads") for spec in specs)
         self.block_size = tuple(spec.block_size for spec in specs)
         self.state_layers = tuple(info for info in self.layers.values() if self.is_state_group[info.group])
-        self.fingerprint = _fingerprint(kv_caches, self.layers, self.physical)
+        self.cache_layout = cache_layout
+        self.fingerprint = _fingerprint(kv_caches, self.layers, self.physical, cache_layout)
 
     def extract(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of ``block_ids`` of ``layer`` in host memory (safe to send after the
@@ -126,11 +131,14 @@ SPEC_FIELDS = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype"
                "kv_cache_specs")
 
 
-def spec_fingerprint(kv_cache_config) -> str:
+def spec_fingerprint(kv_cache_config, cache_layout: str = "") -> str:
     """The per-block layout as the scheduler sees it (no tensors yet): per group, its spec kind, block
-    size, dtype, heads, head size, state shapes, page size and layer names, and the cache layout. Part
-    of every cache-pool key, so engines whose blocks differ never read each other's bytes."""
+    size, dtype, heads, head size, state shapes, page size and layer names, and the cache layout
+    (``kv_cache_layout``, and ``cache_layout``: the CPU kernel's, ``KVLayout``). Part of every
+    cache-pool key, so engines whose blocks differ never read each other's bytes."""
     digest = hashlib.sha256(f"{getattr(kv_cache_config, 'kv_cache_layout', None)};".encode())
+    if cache_layout:
+        digest.update(f"kernel:{cache_layout};".encode())
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         values = {name: getattr(spec, name) for name in SPEC_FIELDS if hasattr(spec, name)}
@@ -139,14 +147,15 @@ def spec_fingerprint(kv_cache_config) -> str:
 
 
 def _fingerprint(kv_caches: dict[str, torch.Tensor], layers: dict[str, LayerInfo],
-                 physical: dict[str, Physical]) -> str:
+                 physical: dict[str, Physical], cache_layout: str = "") -> str:
     """Equal on two engines exactly when their per-block layouts match (checked before a transfer):
-    a digest of the layers' shapes, dtypes and physical layouts, then ``@`` and the physical layouts
-    in words (so that a refusal can say how they differ)."""
-    digest = hashlib.sha256()
+    a digest of the layers' shapes, dtypes, physical layouts and the kernel's cache layout, then ``@``
+    and the physical layouts in words, the kernel's after a ``/`` (so that a refusal can say how they
+    differ)."""
+    digest = hashlib.sha256(f"kernel:{cache_layout};".encode() if cache_layout else b"")
     for name, info in layers.items():
         shape = list(kv_caches[name].shape)
         shape[info.block_dim] = -1
         digest.update(f"{info.index}:{name}:{info.group}:{info.block_dim}:{shape}:{kv_caches[name].dtype}:"
                       f"{physical[name].tag};".encode())
-    return f"{digest.hexdigest()[:16]}@{layout_tags(physical)}"
+    return f"{digest.hexdigest()[:16]}@{layout_tags(physical)}" + (f"/{cache_layout}" if cache_layout else "")

@@ -6,10 +6,10 @@ on identical layouts, whose pages are copied as they are) and its ``LayoutSpec``
 fingerprints differ, the consumer plans a map from the two specs; when the data path carries it
 (``layout_map.data_path_problem``), a ``Reblocker`` writes each attention frame (the producer's
 blocks; with another TP size, only the heads this rank owns) token by token into the request's
-blocks of this engine's size, and each state page component by component (with another TP size,
-each conv component's and the temporal state's share of this rank on its own; a state page's
-padding follows the attention page, so its size may differ). Plans are cached by the announcement's
-bytes.
+blocks of this engine's size and cache layout (an amx kernel's and a vec kernel's convert), and each
+state page component by component (with another TP size, each conv component's and the temporal
+state's share of this rank on its own; a state page's padding follows the attention page, so its
+size may differ). Plans are cached by the announcement's bytes.
 """
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ from services.kv_connector.layouts.mapping import (
     Piece,
     Unmappable,
     data_path_problem,
+    layout_problem,
     plan_mapping,
     sources_of,
 )
 from services.kv_connector.layouts.physical import mismatch
 from services.kv_connector.layouts.pages import KVLayout, LayerInfo
-from services.kv_connector.layouts.spec import DTYPE_BYTES, SLICEABLE_LAYOUTS, AttentionLayer, LayoutSpec, LinearLayer
+from services.kv_connector.layouts.spec import DTYPE_BYTES, AttentionLayer, LayoutSpec, LinearLayer
 
 SEPARATOR = b"\n"
 MAX_PLANS = 64
@@ -102,7 +103,8 @@ class Reblocker:
             if mine:
                 source = from_payload(payload[offset:offset + size], self.src.dtype, shape) if self.sliced else \
                     pages[:, piece.src_start:piece.src_start + piece.num_units]
-                write_attention(view, block_ids, source, piece, first_block, src_block_size, self.dst.cache_layout)
+                write_attention(view, block_ids, source, piece, first_block, src_block_size, self.dst.cache_layout,
+                                self.src.cache_layout)
             offset += size
 
     def fits_state_page(self, layer: LayerInfo, num_bytes: int) -> bool:
@@ -181,8 +183,8 @@ class ReblockPlans:
             return f"{mismatch}: {result.reason}"
         if problem := data_path_problem(result, src, dst):
             return f"{mismatch}: {problem}"
-        if src.cache_layout != dst.cache_layout or dst.cache_layout not in SLICEABLE_LAYOUTS:
-            return f"{mismatch}: re-blocking reads attention caches of one known layout only"
+        if problem := layout_problem(src, dst):
+            return f"{mismatch}: writing the producer's attention KV here {problem}"
         if src.tp_size == dst.tp_size:  # whole pages from the rank of the same number, every head written
             if via is not None or src.tp_rank != dst.tp_rank:
                 return f"{mismatch}: producer TP rank {src.tp_rank} sent to consumer TP rank {dst.tp_rank}"

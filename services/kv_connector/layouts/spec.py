@@ -25,10 +25,32 @@ CONV_LAYOUTS = ("SD", "DS")  # vLLM's conv state orientation: (state_len, dim) o
 # vLLM's CPU attention cache, [blocks, heads, block_size, 2 x head_size]: per (block, head) its K
 # transposed ([head_size, block_size]), then its V ([block_size, head_size]) (``apply``)
 CPU_K_TRANSPOSED = "cpu-k-transposed"
+# vLLM's CPU ``amx`` kernel (bfloat16; csrc/cpu/cpu_attn_amx.hpp, its ``reshape_and_cache``): the same
+# areas, packed for AMX tiles in groups of 16 tokens. Per (block, head), K as [block_size / 16,
+# head_size / 2, 16, 2] (for each 16-token group, each channel pair: the 16 tokens' pairs side by
+# side), then V as [head_size / 16, block_size / 2, 16, 2] (for each 16-channel group, each token
+# pair: the 16 channels' pairs side by side) (``apply.tile_view``)
+CPU_AMX = "cpu-amx"
 # vLLM 0.32's GPU attention backends: [blocks, heads, block_size, 2 x head_size] logically (strided
 # token-major LBNHC or head-major LBHNC, ``physical``), each token's K then V side by side, tokens in order
 TOKEN_ROWS = "kv-token-rows"
-SLICEABLE_LAYOUTS = (CPU_K_TRANSPOSED, TOKEN_ROWS)  # the layouts ``apply`` slices and re-blocks
+SLICEABLE_LAYOUTS = (CPU_K_TRANSPOSED, CPU_AMX, TOKEN_ROWS)  # the layouts ``apply`` slices, re-blocks, converts
+TILED_LAYOUTS = (CPU_AMX,)  # layouts whose tokens are written in groups of ``TILE_TOKENS`` (``apply.tile_view``)
+TILE_TOKENS = 16
+CPU_KERNEL_PREFIX = "cpu-"  # ``cpu-<isa>``: a CPU kernel whose layout is not mapped here (e.g. cpu-neon)
+LAYOUT_KERNELS = {CPU_K_TRANSPOSED: "vLLM's CPU vec and vec16 kernels", CPU_AMX: "vLLM's CPU amx kernel",
+                  TOKEN_ROWS: "vLLM's GPU backends"}
+
+
+def describe_layout(cache_layout: str) -> str:
+    """An announced ``cache_layout`` in words, naming the kernel it comes from (for refusals)."""
+    if not cache_layout:
+        return "unknown (none announced)"
+    if cache_layout in LAYOUT_KERNELS:
+        return f"{cache_layout} ({LAYOUT_KERNELS[cache_layout]})"
+    if cache_layout.startswith(CPU_KERNEL_PREFIX):
+        return f"{cache_layout} (vLLM's CPU {cache_layout.removeprefix(CPU_KERNEL_PREFIX)} kernel, not mapped here)"
+    return f"{cache_layout} (not mapped here)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +190,8 @@ Layer = AttentionLayer | LinearLayer
 class LayoutSpec:
     """One rank's KV layout: layers in registration order, each naming its KV-cache group; block
     sizes per group (tokens per block for attention groups). ``cache_layout`` names the attention
-    cache's memory layout where the announcing side knows it (``CPU_K_TRANSPOSED``, ``TOKEN_ROWS``),
-    ``""`` unknown."""
+    cache's memory layout where the announcing side knows it (``CPU_K_TRANSPOSED``, ``CPU_AMX``,
+    ``TOKEN_ROWS``), the kernel where it does not (``cpu-<isa>``), ``""`` unknown."""
     model: str
     dtype: str
     tp_rank: int

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.kv_connector.layouts.mapping import Piece, Unmappable, data_path_problem, plan_mapping
-from services.kv_connector.layouts.spec import SLICEABLE_LAYOUTS, LayoutSpec
+from services.kv_connector.layouts.spec import SLICEABLE_LAYOUTS, LayoutSpec, describe_layout
 
 WIRE_SEPARATOR = "#p"
 FORWARD_SEPARATOR = "#f"
@@ -90,8 +90,8 @@ def plan_routes(spec: LayoutSpec | None, consumer_tp: int) -> tuple[list[Route],
     if isinstance(result, Unmappable):
         return fallback, result.reason
     if spec.cache_layout not in SLICEABLE_LAYOUTS:
-        return fallback, (f"head slicing reads the cache layouts of vLLM's CPU kernels and GPU backends only "
-                          f"(this engine's: {spec.cache_layout or 'unknown'})")
+        return fallback, (f"head slicing reads the cache layouts this connector maps only "
+                          f"(this engine's: {describe_layout(spec.cache_layout)})")
     if problem := data_path_problem(result, spec, consumer.for_rank(0)):
         return fallback, problem
     routes = []

@@ -19,7 +19,9 @@ Faults, seeded and scheduled one after another (``--faults`` picks; all by defau
 kill_prefill (SIGKILL prefill-0, restart), kill_pd (SIGKILL pd-1, restart), kill_pool (SIGKILL
 pool-local, restart), hang_prefill (SIGSTOP prefill-0 for 30 s, SIGCONT), link_drop (nftables in
 the namespace drops everything for 20 s), bandwidth_cut (the cap / 10 for 60 s), router_restart
-(SIGTERM the router, which drains, then start it again; clients see refused connections meanwhile).
+(SIGTERM the router, which drains, then start it again; clients see refused connections meanwhile),
+kill_supervised (SIGKILL pd-1's main process; `prfaas up`'s own supervision, services/launcher/watch.py,
+restarts it after its backoff, as under `prfaas up`).
 
 kv_flood (300 unauthenticated connections, after a few garbage payloads, to each decode worker's KV port,
 held 20 s: they have a handshake budget of their own and never crowd out the prefill worker).
@@ -77,7 +79,7 @@ from services.loadgen.client import CONNECTION_ERROR, TIMEOUT_ERROR, OpenAIClien
 
 MODEL = "smollm2-135m-instruct"
 FAULTS = ("kill_prefill", "kill_pd", "kill_pool", "hang_prefill", "link_drop", "bandwidth_cut", "router_restart",
-          "kv_flood")
+          "kill_supervised", "kv_flood")
 BUDGET = 2048                    # max_num_batched_tokens of every engine: a prompt is one chunk
 SHORT = (24, 120)                # prompt tokens, below the offload threshold: a range
 LONG = (449, 641, 833)           # above it: few lengths, one reference engine per N-1 chunk
@@ -321,6 +323,28 @@ class Faults:
         _wait(lambda: supervisor.router_healthy("127.0.0.1", port), 120, "router after restart")
         self.run.router_down.append((down, self.run.now()))
         fault.killed, fault.notes = "router", "(drained, then restarted)"
+
+    def kill_supervised(self, fault: Fault) -> None:
+        """SIGKILL of pd-1's main process, restarted by the supervision `prfaas up` runs (not by this bench)."""
+        from services.config import SupervisorConfig
+        from services.launcher.watch import Watch
+
+        child = self.deployment.child("pd-1")
+        watch = Watch([child], SupervisorConfig(), self.run.args.out / "launcher-stats.json",
+                      say=lambda line: print(line.splitlines()[0], flush=True))
+        fault.killed, killed = "pd-1", child.process.pid
+        os.kill(killed, signal.SIGKILL)
+
+        def restarted() -> bool:
+            if reason := watch.poll():
+                raise RuntimeError(reason)
+            return child.process.pid != killed
+
+        _wait(restarted, 60, "pd-1's restart by the supervision")
+        host, port = supervisor.grpc_endpoints(self.deployment.parsed)["pd-1"]
+        _wait(lambda: supervisor.worker_serving(host, port, self.deployment.security), 300, "pd-1 after restart")
+        fault.notes = f"(restarted by the supervision, {watch.stats_path.read_text()})"
+        time.sleep(2.0)  # the router notices on its next health poll
 
     def kv_flood(self, fault: Fault) -> None:
         """Unauthenticated connections to each decode worker's KV port (a few with garbage first), held
@@ -802,7 +826,7 @@ def main(argv=None) -> int:
 
 def _schedule_length(faults: list[Fault]) -> float:
     durations = {"kill_prefill": 60, "kill_pd": 60, "kill_pool": 15, "hang_prefill": HANG_S, "link_drop": DROP_S,
-                 "bandwidth_cut": CUT_S, "router_restart": 15, "kv_flood": FLOOD_S}
+                 "bandwidth_cut": CUT_S, "router_restart": 15, "kv_flood": FLOOD_S, "kill_supervised": 60}
     return WARMUP_S + sum(durations[f.name] + GAP_S for f in faults) + COOLDOWN_S
 
 

@@ -157,6 +157,7 @@ class Receiver:
         try:
             conn.settimeout(self._settings.connect_timeout_s)
             if self._tls is not None:
+                _wait_for_hello(conn, self._settings.handshake_timeout_s)
                 conn = handshake.sock = self._tls.wrap_socket(conn, server_side=True)
             codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer, admit)
         except (HandshakeRefused, ProtocolError, OSError, ssl.SSLError) as exc:
@@ -446,6 +447,15 @@ def _shut(conn: socket.socket) -> None:
         socket.socket.shutdown(conn, socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _wait_for_hello(conn: socket.socket, timeout_s: float) -> None:
+    """Wait until the peer sent something (or went away) before TLS takes the connection: an idle
+    connection then costs no TLS state, which a flood of them would leave scattered over the heap."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLRDHUP)
+    if not poller.poll(timeout_s * 1000):
+        raise TimeoutError("the peer sent nothing")
 
 
 @dataclass(slots=True, eq=False)

@@ -10,8 +10,10 @@ import os
 import random
 import re
 import resource
+import signal
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
 THRESHOLD = 256
 IDLE_CONNECTIONS = 1000
+STALL_TIMEOUT_S = 10.0  # transport.stall_timeout_s, its default
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +242,58 @@ def test_idle_connections_to_a_kv_port_cost_bounded_memory_and_a_request_goes_th
     assert wait_until(lambda: stats().kv_connections_refused >= IDLE_CONNECTIONS - 64, 5), \
         stats().kv_connections_refused
     assert rss_during - rss_before < 64 << 10, (rss_before, rss_during)  # KiB: under 64 MiB for 1,000 sockets
+
+
+def test_unauthenticated_connections_from_the_prefill_workers_own_address_leave_it_room(cluster):
+    """300 idle connections to decode-0's KV port from 127.0.0.1, the prefill worker's own address,
+    after a few garbage payloads: they never count against its ``max_connections_per_peer``, so a
+    long prompt on the PrfaaS path answers within the fail-fast bound (issue 52)."""
+    kv_port = next(w for w in cluster.config["workers"] if w["name"] == "decode-0")["kv_port"]
+    routed_before = cluster.routed("prfaas")
+    fallbacks_before = cluster.metric("prfaas_router_prefill_fallbacks_total")
+    flood = []
+    try:
+        for garbage in (b"GET / HTTP/1.1\r\n\r\n", os.urandom(64), b"\x16\x03\x01" + os.urandom(200)):
+            sock = socket.create_connection(("127.0.0.1", kv_port))
+            sock.sendall(garbage)
+            flood.append(sock)
+        flood += [socket.create_connection(("127.0.0.1", kv_port)) for _ in range(300)]
+        started = time.monotonic()
+        reply = _complete(cluster, _prompt(540, 52))
+        elapsed_s = time.monotonic() - started
+    finally:
+        for sock in flood:
+            sock.close()
+    assert reply.usage.completion_tokens == 8 and reply.choices[0].text
+    assert elapsed_s < STALL_TIMEOUT_S + 20, elapsed_s  # the bound plus a local prefill, with room for 2 cores
+    assert cluster.routed("prfaas") == routed_before + 1
+    assert cluster.metric("prfaas_router_prefill_fallbacks_total") == fallbacks_before  # the KV crossed
+    assert "(max_connections_per_peer)" not in cluster.child("decode-0").log_tail(400)
+
+
+def test_a_kv_transfer_to_a_stopped_decode_worker_fails_the_prefill_within_the_bound(cluster):
+    """decode-0 stopped (SIGSTOP: its KV port accepts connections, nothing reads or answers them): a
+    Prefill whose KV goes there ends ABORTED within ``transport.stall_timeout_s`` of its KV leaving,
+    never waiting on the dead link, and the prefill worker's link counts the failed transfer."""
+    kv_port = next(w for w in cluster.config["workers"] if w["name"] == "decode-0")["kv_port"]
+    failed_before = sum(link.transfers_failed for link in cluster.worker_stats("prefill-0").kv_links)
+    pgid = cluster.child("decode-0").process.pid
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with cluster.security.channel(_address(cluster, "prefill-0")) as channel:
+            with pytest.raises(grpc.RpcError) as error:
+                pb_grpc.PrefillWorkerStub(channel).Prefill(pb.PrefillRequest(
+                    request_id=f"dead-link-{uuid.uuid4().hex[:6]}", prompt_token_ids=_prompt(1800, 53),
+                    kv_target=f"127.0.0.1:{kv_port}"), timeout=120)
+        elapsed_s = time.monotonic() - started
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    assert error.value.code() == grpc.StatusCode.ABORTED and "KV transfer" in error.value.details(), error.value
+    assert elapsed_s < STALL_TIMEOUT_S + 20, elapsed_s  # the bound, plus the prefill of 1,800 tokens on 2 cores
+    assert wait_until(lambda: sum(link.transfers_failed for link in cluster.worker_stats("prefill-0").kv_links)
+                      > failed_before, 5)  # what the scheduler's link signals count as a fault
+    assert wait_until(lambda: cluster.metric('prfaas_router_worker_up{worker="decode-0"}') == 1, 30)
 
 
 # The HTTP API: bounded bodies, validated token ids, no 5xx for any input -------------------------

@@ -1,16 +1,16 @@
-"""The receiving half: a listener, one I/O thread reading every connection, reassembly per transfer.
+"""The receiving half: a listener, ``io_threads`` I/O threads reading the connections, reassembly per transfer.
 
 An accepted connection is authenticated in a short-lived thread of its own (the handshake blocks),
-then joins the I/O thread, which reads all plain connections without blocking (epoll) and puts
-``Frame`` events on a queue as frames complete. One thread instead of one per connection takes a
-third of the system calls per frame (no lock hand-offs between readers, no per-frame timeout
-changes) and lets one place time out a connection stalled anywhere in a frame; on loopback the CPU
-per GiB measured the same, the kernel's copy dominates. TLS connections keep a blocking reader
-thread each, since the TLS layer buffers records that epoll cannot see.
+then joins the I/O thread with the fewest connections (``reading.ReadLoop``), which reads its plain
+connections without blocking (epoll) and puts ``Frame`` events on a queue as frames complete. One
+thread per group of connections instead of one per connection takes a third of the system calls
+per frame; several groups let the kernel's copies run on several cores. TLS connections keep a
+blocking reader thread each, since the TLS layer buffers records that epoll cannot see.
 
 A transfer completes (``TransferDone``) when its END frame and all the frames it counts are in, on
-whatever connections they came. Received bytes not yet taken by ``poll`` are bounded by
-``max_staging_bytes``: past it, reading stops, TCP's flow control stops the sender, and the
+whatever connections and threads they came: a frame is counted and queued under one lock, so its
+``Frame`` event always comes before its transfer's ``TransferDone``. Received bytes not yet taken
+by ``poll`` are bounded by ``max_staging_bytes``: past it, reading stops, TCP's flow control stops the sender, and the
 sender's own budget blocks its caller. Anything wrong with a frame fails its transfer (or, when the
 stream itself is broken, every incomplete transfer seen on that connection) and is logged; the
 process keeps serving.
@@ -23,56 +23,29 @@ import select
 import socket
 import ssl
 import threading
-import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy
 
 from services.kv_transport.codecs import NONE, payload_problem
 from services.kv_transport.events import ByteBudget, Event, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, HEADER, FrameHeader, HandshakeRefused,
-                                            ProtocolError, checksum, finish_header, read_header, recv_into_exactly,
-                                            server_handshake, unpack_fixed)
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, FrameHeader, HandshakeRefused,
+                                            ProtocolError, checksum, read_header, recv_into_exactly,
+                                            server_handshake)
+from services.kv_transport.reading import Connection, ReadLoop
 from services.kv_transport.settings import TransportSettings
-from services.kv_transport.wakeup import WakePipe
 
 logger = logging.getLogger(__name__)
 
 MAX_FORGOTTEN = 4096
-IO_POLL_S = 0.5        # longest the I/O thread sleeps before it looks for stalled connections
-STAGING_WAIT_S = 0.5   # how long it waits for staging room before it checks whether it was closed
-READ_AHEAD_BYTES = 4096  # read at once while looking for a header; what belongs to a payload is copied
-_NO_PAYLOAD = memoryview(b"")  # a connection's payload between frames
 
 
 @dataclass(slots=True)
 class _Progress:
     num_frames: int = 0
     expected: int | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Connection:
-    """A plain connection read by the I/O thread. Headers are read a few KiB at a time into
-    ``buffer`` (so small frames come several to a ``recv``); a payload is copied from there as far
-    as it was read ahead, and the rest is received straight into its own array."""
-    sock: socket.socket
-    peer: str
-    codec: int = NONE                  # agreed at the handshake
-    buffer: bytearray = field(default_factory=lambda: bytearray(READ_AHEAD_BYTES))
-    start: int = 0                     # unparsed bytes are buffer[start:end]
-    end: int = 0
-    header: FrameHeader | None = None  # set while the payload is read
-    payload: memoryview = _NO_PAYLOAD  # the payload being read, while ``header`` is set
-    got: int = 0                       # payload bytes in
-    progress_at: float = 0.0           # last time a byte came in the middle of a frame
-    seen: set[str] = field(default_factory=set)  # transfers with frames on this connection
-
-    @property
-    def mid_frame(self) -> bool:
-        return self.header is not None or self.end > self.start
 
 
 class Receiver:
@@ -90,15 +63,17 @@ class Receiver:
         self.connections_refused = 0
         self._refused_lock = threading.Lock()  # the accept thread and every handshake thread count
         self._closed = False
-        self._resumed_at = 0.0  # when the I/O thread last got staging room after waiting for it
-        self._joining: deque[_Connection] = deque()
         self._slots = _Slots(settings.max_pending_handshakes, settings.max_connections_per_peer)
-        self._wakeup = WakePipe()
+        self._assign_lock = threading.Lock()  # ``ReadLoop.num_connections``
+        self._loops = [ReadLoop(self, settings, i) for i in range(settings.io_threads)]
         self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True).start()
-        threading.Thread(target=self._io_loop, name="prfaas-kv-recv", daemon=True).start()
         logger.info("KV receiver listening on %s:%d", host, self.port)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def num_pending(self) -> int:
@@ -119,7 +94,8 @@ class Receiver:
         except OSError:
             pass
         self._listener.close()
-        self._wakeup.wake()
+        for loop in self._loops:
+            loop.wake()
 
     # Accepting ------------------------------------------------------------------------------------
 
@@ -142,8 +118,9 @@ class Receiver:
 
     def _admit(self, handshake: _Handshake, peer: str) -> None:
         """Authenticate a new connection within ``handshake_timeout_s`` (or until a newer one displaces
-        it from the budget of connections authenticating), then hand it to the I/O thread (or read it
-        here, for TLS). Only then does it count against its address's ``max_connections_per_peer``."""
+        it from the budget of connections authenticating), then hand it to the I/O thread with the
+        fewest connections (or read it here, for TLS). Only then does it count against its address's
+        ``max_connections_per_peer``."""
         deadline = threading.Timer(self._settings.handshake_timeout_s, lambda: _shut(handshake.sock))
         deadline.start()
         conn, admitted = handshake.sock, False
@@ -173,10 +150,12 @@ class Receiver:
             self._serve_blocking(conn, peer, codec)
             return
         conn.setblocking(False)
-        self._joining.append(_Connection(conn, peer, codec))
-        self._wakeup.wake()
+        with self._assign_lock:
+            loop = min(self._loops, key=lambda candidate: candidate.num_connections)
+            loop.num_connections += 1
+        loop.join(Connection(conn, peer, codec))
         if self._closed:  # the I/O thread may have gone already
-            self._close(conn, peer)
+            self.close_connection(conn, peer, loop)
 
     def _refused_in_handshake(self, peer: str, exc: Exception, late: bool, displaced: bool) -> None:
         """Counted; logged at the 1st, 2nd, 4th, 8th, ... refusal, so that a flood writes no flood of logs."""
@@ -196,141 +175,13 @@ class Receiver:
             logger.warning("KV connection from %s dropped during the handshake: %s%s (%d refused so far)", peer,
                            exc, why, refused)
 
-    def _close(self, conn: socket.socket, peer: str) -> None:
-        """Close an authenticated connection, giving its address's slot back."""
+    def close_connection(self, conn: socket.socket, peer: str, loop: ReadLoop | None = None) -> None:
+        """Close an authenticated connection, giving its address's slot back (and its place in ``loop``)."""
         conn.close()
         self._slots.give(peer.rpartition(":")[0])
-
-    # The I/O thread (plain connections) -----------------------------------------------------------
-
-    def _io_loop(self) -> None:
-        poller = select.epoll()
-        poller.register(self._wakeup.fd, select.EPOLLIN)
-        conns: dict[int, _Connection] = {}
-        try:
-            while not self._closed:
-                for fd, _ in poller.poll(IO_POLL_S):
-                    if fd == self._wakeup.fd:
-                        self._wakeup.drain()
-                        while self._joining:
-                            joined = self._joining.popleft()
-                            conns[joined.sock.fileno()] = joined
-                            poller.register(joined.sock, select.EPOLLIN)
-                    elif (conn := conns.get(fd)) is not None:
-                        try:
-                            self._read_some(conn)
-                        except (ProtocolError, OSError, _Closed) as exc:
-                            self._drop(conn, exc, conns, poller)
-                        except Exception as exc:  # noqa: BLE001 - a bug must cost one connection, not all
-                            logger.exception("KV connection from %s: unexpected error", conn.peer)
-                            self._drop(conn, exc, conns, poller)
-                self._check_stalled(conns, poller)
-        finally:
-            for conn in list(conns.values()):
-                self._release_partial(conn)
-                conn.sock.close()
-            for conn in self._joining:
-                conn.sock.close()
-            poller.close()
-            self._wakeup.close()
-
-    def _read_some(self, conn: _Connection) -> None:
-        """Read what the socket has, completing as many frames as it holds; raises when the stream
-        is broken (``_Closed`` at a clean end between frames)."""
-        while True:
-            if conn.header is None and self._next_header(conn):
-                continue
-            if conn.header is not None:
-                view = conn.payload[conn.got:]
-            else:
-                if conn.start:  # keep the unparsed tail at the front
-                    conn.buffer[:conn.end - conn.start] = conn.buffer[conn.start:conn.end]
-                    conn.start, conn.end = 0, conn.end - conn.start
-                view = memoryview(conn.buffer)[conn.end:]
-            try:
-                n = conn.sock.recv_into(view)
-            except BlockingIOError:
-                return
-            if n == 0:
-                if not conn.mid_frame:
-                    raise _Closed(f"KV connection from {conn.peer} closed")
-                if conn.header is None:
-                    raise ProtocolError(f"truncated frame: connection closed {conn.end - conn.start} bytes into "
-                                        "a header")
-                raise ProtocolError(f"truncated frame: connection closed after {conn.got} of {len(conn.payload)} "
-                                    "bytes", conn.header.transfer_id)
-            conn.progress_at = time.monotonic()
-            if conn.header is None:
-                conn.end += n
-                continue
-            conn.got += n
-            if conn.got == len(conn.payload):
-                self._complete(conn)
-
-    def _next_header(self, conn: _Connection) -> bool:
-        """Parse the next header from the read-ahead buffer, with as much of its payload as is
-        there; False when the buffer does not hold a whole header yet."""
-        available = conn.end - conn.start
-        if available < HEADER.size:
-            return False
-        head = memoryview(conn.buffer)
-        fields = unpack_fixed(head[conn.start:conn.start + HEADER.size])
-        size = HEADER.size + fields[1]
-        if available < size:
-            return False
-        header = finish_header(fields, head[conn.start + HEADER.size:conn.start + size],
-                               self._settings.max_frame_bytes)
-        conn.start += size
-        conn.seen.add(header.transfer_id)
-        self._stage(header.length)
-        conn.header = header
-        conn.payload = self.allocate(header.length)
-        conn.got = min(header.length, conn.end - conn.start)
-        conn.payload[:conn.got] = head[conn.start:conn.start + conn.got]
-        conn.start += conn.got
-        if conn.got == header.length:
-            self._complete(conn)
-        return True
-
-    def _complete(self, conn: _Connection) -> None:
-        header, payload = conn.header, conn.payload
-        assert header is not None, "a connection completes only a frame it started"
-        conn.header, conn.payload, conn.got = None, _NO_PAYLOAD, 0
-        self._on_payload(header, payload, conn.peer, conn.seen, conn.codec)
-        if len(conn.seen) > 1024:
-            conn.seen.difference_update([t for t in conn.seen if self._is_forgotten(t)])
-
-    def _stage(self, num_bytes: int) -> None:
-        """Take staging room for a payload; waits (and so stops all reading) while there is none.
-        Time spent waiting here does not count against any connection's ``io_timeout_s``."""
-        if self.staging.acquire(num_bytes, 0):
-            return
-        while not self.staging.acquire(num_bytes, STAGING_WAIT_S):
-            if self._closed:
-                raise _Closed("receiver closed")
-        self._resumed_at = time.monotonic()
-
-    def _drop(self, conn: _Connection, exc: Exception, conns: dict[int, _Connection],
-              poller: select.epoll) -> None:
-        conns.pop(conn.sock.fileno(), None)
-        poller.unregister(conn.sock)
-        self._release_partial(conn)
-        self._close(conn.sock, conn.peer)
-        if isinstance(exc, _Closed):
-            self._fail_incomplete(conn.seen, str(exc))
-        else:
-            self._broken(conn.peer, conn.seen, exc)
-
-    def _release_partial(self, conn: _Connection) -> None:
-        if conn.header is not None:
-            self.staging.release(conn.header.length)
-            conn.header, conn.payload = None, _NO_PAYLOAD
-
-    def _check_stalled(self, conns: dict[int, _Connection], poller: select.epoll) -> None:
-        now, limit = time.monotonic(), self._settings.io_timeout_s
-        for conn in list(conns.values()):
-            if conn.mid_frame and now - max(conn.progress_at, self._resumed_at) > limit:
-                self._drop(conn, ProtocolError(f"no data for {limit:.0f} s in the middle of a frame"), conns, poller)
+        if loop is not None:
+            with self._assign_lock:
+                loop.num_connections -= 1
 
     # TLS connections: a blocking reader each -------------------------------------------------------
 
@@ -341,7 +192,7 @@ class Receiver:
                 conn.settimeout(None)  # idle between transfers is normal
                 header = read_header(conn, self._settings.max_frame_bytes)
                 if header is None:
-                    self._fail_incomplete(seen, f"KV connection from {peer} closed")
+                    self.fail_incomplete(seen, f"KV connection from {peer} closed")
                     return
                 conn.settimeout(self._settings.io_timeout_s)
                 seen.add(header.transfer_id)
@@ -352,31 +203,34 @@ class Receiver:
                 except BaseException:
                     self.staging.release(header.length)
                     raise
-                self._on_payload(header, payload, peer, seen, codec)
+                self.on_payload(header, payload, peer, seen, codec)
         except (ProtocolError, OSError, ssl.SSLError) as exc:
-            self._broken(peer, seen, exc)
+            self.broken(peer, seen, exc)
         finally:
-            self._close(conn, peer)
+            self.close_connection(conn, peer)
 
-    def _broken(self, peer: str, seen: set[str], exc: Exception) -> None:
+    def broken(self, peer: str, seen: set[str], exc: Exception) -> None:
         """A connection's stream broke: every incomplete transfer seen on it fails."""
         if isinstance(exc, ProtocolError) and exc.transfer_id:
             seen.add(exc.transfer_id)
-        self.frames_rejected += 1
+        with self._lock:
+            self.frames_rejected += 1
         logger.warning("KV connection from %s dropped: %s", peer, exc)
-        self._fail_incomplete(seen, f"KV stream from {peer} broke: {exc}")
+        self.fail_incomplete(seen, f"KV stream from {peer} broke: {exc}")
 
     # Frames, whichever way they came ---------------------------------------------------------------
 
-    def _on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str], codec: int) -> None:
+    def on_payload(self, header: FrameHeader, payload: memoryview, peer: str, seen: set[str], codec: int) -> None:
         """A whole frame is in; its staging room was taken and is kept only by a counted frame (DATA
-        or LAYOUT) that is handed on."""
-        self.bytes_received += header.length
-        keep = header.kind in COUNTED_KINDS and not self._is_forgotten(header.transfer_id)
+        or LAYOUT) that is handed on. Called by every I/O thread (and TLS reader)."""
+        with self._lock:
+            self.bytes_received += header.length
+        keep = header.kind in COUNTED_KINDS and not self.is_forgotten(header.transfer_id)
         if not keep:
             self.staging.release(header.length)
         if (problem := _frame_problem(header, payload, codec)) is not None:
-            self.frames_rejected += 1
+            with self._lock:
+                self.frames_rejected += 1
             logger.warning("request %s: KV frame from %s refused (layer %d): %s", header.transfer_id, peer,
                            header.layer, problem)
             if keep:
@@ -416,11 +270,11 @@ class Receiver:
             self._remember(transfer_id)
         self.events.put(TransferFailed(transfer_id, reason))
 
-    def _fail_incomplete(self, seen: set[str], reason: str) -> None:
+    def fail_incomplete(self, seen: set[str], reason: str) -> None:
         for transfer_id in seen:
             self._fail(transfer_id, reason)
 
-    def _is_forgotten(self, transfer_id: str) -> bool:
+    def is_forgotten(self, transfer_id: str) -> bool:
         with self._lock:
             return transfer_id in self._forgotten
 
@@ -517,10 +371,6 @@ class _Slots:
                 self._per_peer[host] = left
             else:
                 self._per_peer.pop(host, None)
-
-
-class _Closed(Exception):
-    """The connection ended cleanly between frames, or the receiver is closing."""
 
 
 def heap_buffer(num_bytes: int) -> memoryview:

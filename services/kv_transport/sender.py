@@ -1,14 +1,18 @@
 """The sending half: a pool of connections to one peer, striping frames across them.
 
-Frames go into one queue per peer. One I/O thread per peer drives all its connections without
-blocking (epoll): a connection with no frame in hand takes the next one from the queue, and one
-whose socket is full waits for room, so a slow connection simply carries fewer frames. With
-``TCP_NOTSENT_LOWAT`` a socket reports room only while little is queued in it, so frames go to the
-connections that are moving. One thread instead of one per connection: on a busy core, blocking
-threads cost a wake-up and a switch per frame. Queued bytes are bounded: ``send`` blocks the caller
-while the peer is behind (backpressure) and fails the transfer after ``send_timeout_s``. A
-connection error fails every transfer that used it; the receiver learns through an ABORT frame on
-another connection (or, at the latest, its idle timeout).
+Frames go into one queue per peer. ``io_threads`` I/O threads per peer each drive a group of its
+connections without blocking (epoll): a connection with no frame in hand takes the next one from
+the queue, and one whose socket is full waits for room, so a slow connection simply carries fewer
+frames. With ``TCP_NOTSENT_LOWAT`` a socket reports room only while little is queued in it, so
+frames go to the connections that are moving. A thread per group instead of one per connection: on
+a busy core, blocking threads cost a wake-up and a switch per frame; several groups instead of one:
+the kernel's copy into the socket runs without the GIL, so one thread per core moves that much more
+(docs/transport.md has the measurements). A frame is taken from the queue, cut and numbered under
+one lock, so an END frame always counts every frame handed out before it, whichever thread took
+them. Queued bytes are bounded: ``send`` blocks the caller while the peer is behind (backpressure)
+and fails the transfer after ``send_timeout_s``. A connection error fails every transfer that used
+it; the receiver learns through an ABORT frame on another connection (or, at the latest, its idle
+timeout).
 
 Payloads are copied into the socket (``sendmsg``), not spliced from the caller's memory. A
 zero-copy sender (``vmsplice`` into a pipe per connection, ``splice`` into the socket; same
@@ -117,10 +121,14 @@ class PeerLink:
         self._unreachable_until = 0.0
         self.recent_failures: deque[tuple[str, str]] = deque(maxlen=RECENT_FAILURES)  # (transfer id, reason)
         self._agreed: int | None = None  # the codec the last handshake agreed on (None: none yet)
-        self._wakeup = WakePipe()
-        self._want_wake = False
-        self._thread = threading.Thread(target=self._io_loop, daemon=True, name="prfaas-kv-send")
-        self._thread.start()
+        num_threads = min(settings.io_threads, settings.connections_per_peer)
+        self._drivers = [_Driver(i, [_Connection(conn_id, Clock(settings.telemetry_interval_s))
+                                     for conn_id in range(i, settings.connections_per_peer, num_threads)])
+                         for i in range(num_threads)]
+        self._threads = [threading.Thread(target=self._io_loop, args=(driver,), daemon=True,
+                                          name=f"prfaas-kv-send-{driver.index}") for driver in self._drivers]
+        for thread in self._threads:
+            thread.start()
 
     # Called by the user (any thread) ------------------------------------------------------------
 
@@ -178,8 +186,10 @@ class PeerLink:
         self._wake()
 
     def _wake(self) -> None:
-        """Interrupt the I/O thread's wait for socket room: there is a new frame to hand out."""
-        self._wakeup.wake()
+        """Interrupt the I/O threads' waits for socket room: there is a new frame to hand out."""
+        for driver in self._drivers:
+            if driver.want_wake or self._closed:
+                driver.wakeup.wake()
 
     # Internals -----------------------------------------------------------------------------------
 
@@ -219,11 +229,11 @@ class PeerLink:
             self._queue.append(_Outgoing(kind, transfer_id, seq, payload, layer, group, block_start, num_blocks,
                                          on_sent, coding, coded, divisible))
             self._cond.notify()
-        if self._want_wake:
-            self._wake()
+        self._wake()
 
-    def _pop(self) -> _Outgoing | None:
-        """The next frame worth sending; frames of failed transfers are dropped on the way (one lock)."""
+    def _pop(self, conn: "_Connection | None" = None) -> _Outgoing | None:
+        """The next frame worth sending, cut for ``conn`` (``_cut``) and numbered if it is an END;
+        frames of failed transfers are dropped on the way (one lock)."""
         dropped, item = [], None
         with self._cond:
             while self._queue:
@@ -235,6 +245,8 @@ class PeerLink:
                     del self._transfers[item.transfer_id]
                 dropped.append(item)
                 item = None
+            if item is not None and conn is not None:
+                item = self._cut(item, conn)
         for frame in dropped:
             self._release(frame)
         return item
@@ -245,11 +257,10 @@ class PeerLink:
             self._cond.wait_for(lambda: self._queue or self._closed)
             return bool(self._queue)
 
-    def _io_loop(self) -> None:
-        conns = [_Connection(i, Clock(self._settings.telemetry_interval_s))
-                 for i in range(self._settings.connections_per_peer)]
+    def _io_loop(self, driver: "_Driver") -> None:
+        conns = driver.conns
         poller = select.epoll()
-        poller.register(self._wakeup.fd, select.EPOLLIN)
+        poller.register(driver.wakeup.fd, select.EPOLLIN)
         writable: set[int] = set()
         try:
             while True:
@@ -258,18 +269,18 @@ class PeerLink:
                     if conn.watched and conn.connected.fileno() not in writable:
                         busy = True  # still no room: no point trying
                     else:
-                        busy |= self._drive(conn, poller)
+                        busy |= self._drive(conn, poller, driver)
                 if busy:
                     # A new frame needs a wake-up only while some connection is idle; the flag is
                     # set before the queue is looked at again, so no frame waits out a poll.
-                    self._want_wake = any(conn.item is None for conn in conns)
-                    if self._want_wake and self._queue:
+                    driver.want_wake = any(conn.item is None for conn in conns)
+                    if driver.want_wake and self._queue:
                         writable = set()
                         continue
                     writable = {fd for fd, _ in poller.poll(IO_POLL_S)}
-                    self._want_wake = False
-                    if self._wakeup.fd in writable:
-                        self._wakeup.drain()
+                    driver.want_wake = False
+                    if driver.wakeup.fd in writable:
+                        driver.wakeup.drain()
                     self._check_stalled(conns, poller)
                 elif not self._wait_for_work():
                     break
@@ -280,9 +291,9 @@ class PeerLink:
                 if conn.sock is not None:
                     conn.sock.close()
             poller.close()
-            self._wakeup.close()
+            driver.wakeup.close()
 
-    def _drive(self, conn: "_Connection", poller: select.epoll) -> bool:
+    def _drive(self, conn: "_Connection", poller: select.epoll, driver: "_Driver") -> bool:
         """Send what this connection can without blocking, taking new frames while its socket has
         room; True while it holds a frame it could not finish (it waits for room)."""
         while True:
@@ -302,27 +313,28 @@ class PeerLink:
             if conn.watched:
                 poller.modify(conn.connected, 0)
                 conn.watched = False
-            self._sent(conn)
+            self._sent(conn, driver)
 
     def _take(self, conn: "_Connection", poller: select.epoll) -> bool:
-        """Give an idle connection the next frame to send (connecting first when needed)."""
-        while (item := self._pop()) is not None:
+        """Give an idle connection the next frame to send (connecting first when needed). A
+        connection is (re)connected before it takes a frame, since how much of a frame it takes
+        depends on its socket (``_cut``)."""
+        while self._queue:
             if conn.sock is not None and time.monotonic() - conn.used_at > IDLE_CHECK_S and _hung_up(conn.sock):
                 self._drop(conn, poller, f"KV peer {self.peer} closed an idle connection")
-                with self._cond:  # the drop may have failed this frame's transfer: let _pop judge it again
-                    self._queue.appendleft(item)
-                continue
             if conn.sock is None:
                 try:
                     conn.sock, conn.codec = self._connect()
                 except (OSError, HandshakeRefused) as exc:
-                    self._release(item)
-                    self._fail(item.transfer_id, f"KV connection to {self.peer} failed: {exc}")
+                    if (failed := self._pop()) is not None:
+                        self._release(failed)
+                        self._fail(failed.transfer_id, f"KV connection to {self.peer} failed: {exc}")
                     continue
                 poller.register(conn.sock, 0)
                 conn.used_by, conn.notsent_lowat = set(), self._settings.notsent_lowat_bytes
+            if (item := self._pop(conn)) is None:
+                return False
             conn.used_by.add(item.transfer_id)
-            item = self._cut(item, conn)
             codec, payload, row_elems = self._coded(item, conn.codec)
             header = encode_header(item.kind, item.transfer_id, item.layer, item.group, item.block_start,
                                    item.num_blocks, item.seq, payload, codec, row_elems)
@@ -339,11 +351,10 @@ class PeerLink:
         the connections that happened to take its last large frames, at their share of the link,
         while the others idle. On a fast link the allowance is above the frame size and nothing is
         cut. A frame coded ahead, or whose payload is not its blocks one after another, goes whole.
-        The END frame counts the parts (all of them went before it)."""
+        The END frame counts the parts (all of them went before it). Called with ``_cond`` held."""
         if item.kind == END:
-            with self._cond:
-                if (transfer := self._transfers.get(item.transfer_id)) is not None:
-                    item.seq = transfer.num_frames
+            if (transfer := self._transfers.get(item.transfer_id)) is not None:
+                item.seq = transfer.num_frames
             return item
         if (not item.divisible or item.num_blocks < 2 or item.coded is not None
                 or self._settings.connections_per_peer < 2):
@@ -351,18 +362,16 @@ class PeerLink:
         block_bytes = max(len(item.payload) // item.num_blocks, 1)
         parts = -(-item.num_blocks // max(-(-conn.notsent_lowat // block_bytes), 1))
         take = -(-item.num_blocks // parts)
-        if parts < 2:
+        if parts < 2 or (transfer := self._transfers.get(item.transfer_id)) is None:
             return item
-        with self._cond:
-            if (transfer := self._transfers.get(item.transfer_id)) is None:
-                return item
-            self._queue.appendleft(_Outgoing(
-                DATA, item.transfer_id, transfer.num_frames, item.payload[take * block_bytes:], item.layer,
-                item.group, item.block_start + take, item.num_blocks - take, item.on_sent, item.coding,
-                divisible=True))
-            transfer.num_frames += 1
-            if item.on_sent is not None:
-                item.on_sent.add()
+        self._queue.appendleft(_Outgoing(
+            DATA, item.transfer_id, transfer.num_frames, item.payload[take * block_bytes:], item.layer,
+            item.group, item.block_start + take, item.num_blocks - take, item.on_sent, item.coding,
+            divisible=True))
+        self._cond.notify()
+        transfer.num_frames += 1
+        if item.on_sent is not None:
+            item.on_sent.add()
         return _Outgoing(DATA, item.transfer_id, item.seq, item.payload[:take * block_bytes], item.layer,
                          item.group, item.block_start, take, item.on_sent, item.coding, divisible=True)
 
@@ -380,12 +389,12 @@ class PeerLink:
             logger.exception("request %s: KV frame could not be coded; sent raw", item.transfer_id)
             return NONE, item.payload, 0
 
-    def _sent(self, conn: "_Connection") -> None:
+    def _sent(self, conn: "_Connection", driver: "_Driver") -> None:
         item, conn.item, conn.views = conn.item, None, []
         assert item is not None, "a connection finishes only a frame it holds"
         conn.used_at = time.monotonic()
         self.telemetry.on_sent(conn.conn_id, conn.size)
-        self.telemetry.cpu_s = time.thread_time()
+        self.telemetry.on_cpu(driver.index, time.thread_time())
         if conn.clock.due():
             info = tcp_info(conn.connected)
             self.telemetry.on_sample(conn.conn_id, info)
@@ -471,11 +480,19 @@ class PeerLink:
             transfer.failed = reason
             self._queue.appendleft(_Outgoing(ABORT, transfer_id, 0, memoryview(reason.encode()[:1024])))
             self._cond.notify()
-        if self._want_wake:
-            self._wake()
+        self._wake()
         self.telemetry.on_transfer(False, 0, 0.0)
         self.recent_failures.append((transfer_id, reason))
         logger.warning("request %s: KV send failed: %s", transfer_id, reason)
+
+
+@dataclass(slots=True, eq=False)
+class _Driver:
+    """One I/O thread's share of a link: its connections, and how to wake it from its wait for room."""
+    index: int
+    conns: list["_Connection"]
+    wakeup: WakePipe = field(default_factory=WakePipe)
+    want_wake: bool = False  # it waits for socket room while one of its connections is idle
 
 
 @dataclass(slots=True)

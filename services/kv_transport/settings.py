@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from services.kv_transport.codecs import CODECS, offer
 
 _T = TypeVar("_T")
+MAX_IO_THREADS = 64
 
 
 class SettingsError(ValueError):
@@ -23,6 +24,11 @@ def _opt(default: _T, help: str) -> _T:
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
     connections_per_peer: int = _opt(8, "TCP connections per peer pair; frames are striped across them.")
+    io_threads: int = _opt(2, "I/O threads per side: a sender drives each peer's connections from this many "
+                           "threads (at most one per connection), a receiver reads its connections from this many "
+                           "(at most 64). The kernel's copies run in parallel on them, so goodput grows with cores "
+                           "up to the link's limit; more threads than free cores only add switches "
+                           "(docs/transport.md).")
     frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
                             "blocks up to this size (a single larger block is one frame), so connections share "
                             "a transfer in small units and none holds its tail; a connection whose unsent "
@@ -102,6 +108,9 @@ class TransportSettings:
         if settings.frame_bytes > settings.max_frame_bytes:
             raise SettingsError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
                               f"({settings.max_frame_bytes}), which receivers would refuse")
+        if settings.io_threads > MAX_IO_THREADS:
+            raise SettingsError(f"transport.io_threads: {settings.io_threads} is above {MAX_IO_THREADS}; one thread "
+                              "per free core is what pays")
         if settings.max_connections_per_peer < settings.connections_per_peer:
             raise SettingsError(f"transport.max_connections_per_peer: {settings.max_connections_per_peer} is below "
                               f"connections_per_peer ({settings.connections_per_peer}); peers could not connect")

@@ -64,7 +64,7 @@ class PeerSnapshot:
     delivery_rate_bps: int = 0
     rtt_us: int = 0
     cwnd_segments: int = 0
-    # CPU seconds the sender's I/O thread has used: writing frames, TCP's work in the kernel on its
+    # CPU seconds the sender's I/O threads have used: writing frames, TCP's work in the kernel on its
     # behalf (on a veth pair, the receiving side's too). On a host where the engine shares its cores
     # with the sender, this is what a prefill loses to the previous request's KV leaving.
     cpu_s: float = 0.0
@@ -145,8 +145,18 @@ class PeerTelemetry:
         self.transfers_sent = 0
         self.transfers_failed = 0
         self.busy_s = 0.0           # time with at least one frame on the wire
-        self.cpu_s = 0.0            # the I/O thread's CPU time (``time.thread_time``), as of its last frame
+        self._cpu_by_thread: dict[int, float] = {}  # each I/O thread's ``time.thread_time``, as of its last frame
         self._last_goodput_bps = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the link's I/O threads have used, as of each one's last frame."""
+        with self._lock:
+            return sum(self._cpu_by_thread.values())
+
+    def on_cpu(self, thread_index: int, thread_time_s: float) -> None:
+        with self._lock:
+            self._cpu_by_thread[thread_index] = thread_time_s
 
     def on_sent(self, conn_id: int, num_bytes: int) -> None:
         with self._lock:
@@ -184,7 +194,8 @@ class PeerTelemetry:
                 retransmits=sum(i.get("total_retrans", 0) for i in infos),
                 delivery_rate_bps=sum(i.get("delivery_rate_bps", 0) for i in infos),
                 rtt_us=max((i.get("rtt_us", 0) for i in fresh), default=0),
-                cwnd_segments=sum(i.get("snd_cwnd", 0) for i in infos), cpu_s=self.cpu_s)
+                cwnd_segments=sum(i.get("snd_cwnd", 0) for i in infos),
+                cpu_s=sum(self._cpu_by_thread.values()))
 
 
 class Clock:

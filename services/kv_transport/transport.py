@@ -6,6 +6,7 @@ backpressure; background threads do all socket I/O; ``poll`` returns what arrive
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import ssl
@@ -110,14 +111,14 @@ class KVTransport:
             links = list(self._links.values())
         peers = tuple(link.telemetry.snapshot() for link in links)
         pending = [transfer_id for link in links for transfer_id in link.pending_ids]
-        sends = {"transfers_sending": len(pending), "sends_pending": tuple(pending[:MAX_LISTED]),
-                 "sends_failed": tuple(failure for link in links for failure in list(link.recent_failures))}
+        sending = TransportSnapshot(peers, transfers_sending=len(pending), sends_pending=tuple(pending[:MAX_LISTED]),
+                                    sends_failed=tuple(f for link in links for f in list(link.recent_failures)))
         if self._receiver is None:
-            return TransportSnapshot(peers, **sends)
-        return TransportSnapshot(peers, bytes_received=self._receiver.bytes_received,
-                                 frames_rejected=self._receiver.frames_rejected,
-                                 connections_refused=self._receiver.connections_refused,
-                                 transfers_receiving=self._receiver.num_pending, **sends)
+            return sending
+        return dataclasses.replace(sending, bytes_received=self._receiver.bytes_received,
+                                   frames_rejected=self._receiver.frames_rejected,
+                                   connections_refused=self._receiver.connections_refused,
+                                   transfers_receiving=self._receiver.num_pending)
 
     def close(self) -> None:
         if self._receiver is not None:

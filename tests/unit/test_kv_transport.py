@@ -47,6 +47,38 @@ def collect(rx: KVTransport, transfer_id: str, timeout: float = 10.0):
     return frames, None
 
 
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_every_frame_arrives_before_its_end_whichever_thread_sent_or_read_it(pair, io_threads):
+    """Several I/O threads per side: frames cut as they go out (small unsent allowances) on 6
+    connections driven by 3 threads, read by 3; the END frame counts every part, each transfer's
+    frames come before its TransferDone, and every byte arrives once."""
+    settings = TransportSettings(secret=SECRET, connections_per_peer=6, io_threads=io_threads, frame_bytes=1 << 20,
+                                 notsent_lowat_bytes=1 << 16)
+    rx, tx, peer = pair(TransportSettings(secret=SECRET, io_threads=io_threads), settings)
+    data = {f"t-{i}": os.urandom(64 * 4096) for i in range(8)}
+    for transfer_id, payload in data.items():
+        for layer in range(4):
+            tx.send(peer, transfer_id, layer, 0, 0, 64, payload, divisible=True)
+        tx.finish(peer, transfer_id)
+    frames: dict[str, list[Frame]] = {transfer_id: [] for transfer_id in data}
+    done, deadline = set(), time.monotonic() + 20
+    while len(done) < len(data) and time.monotonic() < deadline:
+        for event in rx.poll(0.05):
+            assert event.transfer_id not in done, f"{event} after its transfer ended"
+            if isinstance(event, Frame):
+                frames[event.transfer_id].append(event)
+            else:
+                assert isinstance(event, TransferDone), event
+                done.add(event.transfer_id)
+    assert done == set(data)
+    for transfer_id, payload in data.items():
+        for layer in range(4):
+            parts = sorted((f for f in frames[transfer_id] if f.layer == layer), key=lambda f: f.block_start)
+            assert b"".join(bytes(f.payload) for f in parts) == payload
+    assert len(tx._links[peer]._threads) == io_threads
+    assert tx.snapshot().peers[0].cpu_s > 0
+
+
 def test_striped_transfer_reassembles_in_full(pair):
     rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=4, frame_bytes=1 << 16))
     layers = {layer: os.urandom(40 * 4096) for layer in range(6)}
@@ -249,6 +281,8 @@ def test_mutual_tls(pair, tmp_path):
     ({"io_timeout_s": "fast"}, "transport.io_timeout_s: expected float"),
     ({"tls_cert": "a.pem"}, "transport.tls_cert: tls_cert, tls_key and tls_ca go together"),
     ({"notsent_lowat_bytes": 1 << 32}, "transport.notsent_lowat_bytes: .*below 2 GiB"),
+    ({"io_threads": 0}, "transport.io_threads: must be positive"),
+    ({"io_threads": 65}, "transport.io_threads: 65 is above 64"),
 ])
 def test_settings_errors_name_the_key(raw, error):
     with pytest.raises(SettingsError, match=error):
@@ -388,14 +422,14 @@ def test_a_peer_that_hangs_up_during_the_handshake_fails_the_transfer_not_the_se
         tx.send(peer, "t-hangup-2", 0, 0, 0, 1, b"x" * 4096)
         tx.finish(peer, "t-hangup-2")
         assert _wait_failed(tx, 2, 5.0)
-        assert tx._links[peer]._thread.is_alive()
+        assert all(thread.is_alive() for thread in tx._links[peer]._threads)
     finally:
         listener.close()
 
 
 def test_an_unexpected_error_on_one_connection_leaves_the_receiver_serving(pair, monkeypatch, caplog):
     rx, tx, peer = pair(tx_settings=TransportSettings(secret=SECRET, connections_per_peer=1))
-    receiver, real = rx._receiver, rx._receiver._on_payload
+    receiver, real = rx._receiver, rx._receiver.on_payload
     calls = []
 
     def failing_once(*args):
@@ -404,7 +438,7 @@ def test_an_unexpected_error_on_one_connection_leaves_the_receiver_serving(pair,
             raise RuntimeError("bug")
         return real(*args)
 
-    monkeypatch.setattr(receiver, "_on_payload", failing_once)
+    monkeypatch.setattr(receiver, "on_payload", failing_once)
     with caplog.at_level(logging.ERROR):
         tx.send(peer, "first", 0, 0, 0, 1, b"a" * 4096)
         tx.finish(peer, "first")

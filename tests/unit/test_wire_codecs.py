@@ -228,4 +228,4 @@ def test_once_a_handshake_agreed_frames_are_coded_on_the_sending_thread():
     finally:
         tx.close()
         rx.close()
-    assert threads == ["prfaas-kv-send", threading.current_thread().name]
+    assert threads == ["prfaas-kv-send-0", threading.current_thread().name]

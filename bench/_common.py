@@ -50,6 +50,9 @@ class Iperf3Result:
     gbps: float          # receiver-side goodput
     client_cpu_s: float  # CPU time of the sending end over the test
     server_cpu_s: float  # CPU time of the receiving end
+    client_sys_s: float = 0.0  # of which in the kernel
+    server_sys_s: float = 0.0
+    num_bytes: int = 0   # received
 
 
 def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
@@ -80,7 +83,9 @@ def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None
                 end = json.loads(result.stdout)["end"]
                 cpu, seconds_run = end["cpu_utilization_percent"], end["sum_received"]["seconds"]
                 return Iperf3Result(end["sum_received"]["bits_per_second"] / 1e9,
-                                    cpu["host_total"] / 100 * seconds_run, cpu["remote_total"] / 100 * seconds_run)
+                                    cpu["host_total"] / 100 * seconds_run, cpu["remote_total"] / 100 * seconds_run,
+                                    cpu["host_system"] / 100 * seconds_run, cpu["remote_system"] / 100 * seconds_run,
+                                    int(end["sum_received"]["bytes"]))
             except (ValueError, KeyError):
                 error = (result.stdout[-300:] + result.stderr[-300:]).strip()
         finally:
@@ -91,8 +96,13 @@ def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None
 
 def process_cpu_s(pid: int) -> float:
     """User plus system CPU time of a process so far (all its threads)."""
+    return sum(process_user_sys_s(pid))
+
+
+def process_user_sys_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far (all its threads)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def median(values) -> float:
@@ -114,7 +124,7 @@ RECEIVER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from services.kv_transport import Frame, KVTransport, TransportSettings
-rx = KVTransport(TransportSettings(secret={secret!r}, connections_per_peer={connections}),
+rx = KVTransport(TransportSettings(secret={secret!r}, connections_per_peer={connections}, **{extra!r}),
                  listen_host={host!r}, listen_port={port})
 print("ready", rx.port, flush=True)
 while True:
@@ -125,10 +135,13 @@ while True:
 
 
 def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connections: int = 8,
-                   netns: str | None = None, cpu: int | None = None) -> tuple[subprocess.Popen, int]:
-    """A KV receiver in its own process (optionally inside ``netns``); returns it and its port.
-    It prints one line per finished transfer: kind, transfer id, completion time (epoch seconds)."""
-    code = RECEIVER_SCRIPT.format(root=str(ROOT), secret=secret, connections=connections, host=host, port=port)
+                   netns: str | None = None, cpu: int | None = None,
+                   **settings: object) -> tuple[subprocess.Popen, int]:
+    """A KV receiver in its own process (optionally inside ``netns``, on ``cpu``), with more
+    ``TransportSettings`` than the defaults where given; returns it and its port. It prints one line
+    per finished transfer: kind, transfer id, completion time (epoch seconds)."""
+    code = RECEIVER_SCRIPT.format(root=str(ROOT), secret=secret, connections=connections, host=host, port=port,
+                                  extra=settings)
     wrap = (["ip", "netns", "exec", netns] if netns else []) + pinned(cpu)
     process = subprocess.Popen(wrap + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     ready, bound = process.stdout.readline().split()

@@ -359,10 +359,10 @@ class DeploymentConfig:
         SecurityConfig(), "Who may call each port: the gRPC bearer token (mutual TLS with `transport.tls_*`, "
         "which secure gRPC and the KV data plane alike), and the lab-only `insecure` opt-out. See "
         "docs/deployment.md, \"Threat model\".")
-    transport: dict[str, object] = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `secret` or "
-                                        "`secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/`tls_ca`, "
-                                        "`max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, timeouts; "
-                                        "see services/kv_transport/settings.py.")
+    transport: dict[str, object] = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `io_threads` "
+                                        "(2), `secret` or `secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/"
+                                        "`tls_ca`, `max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, "
+                                        "timeouts; see services/kv_transport/settings.py.")
 
     def worker(self, name: str) -> WorkerConfig:
         for worker in self.workers:

@@ -40,8 +40,8 @@ def require(tool: str, package: str) -> str:
     return path
 
 
-def pinned(cpu: int | None) -> list[str]:
-    """argv prefix running a command on one CPU (none when ``cpu`` is None)."""
+def pinned(cpu: int | str | None) -> list[str]:
+    """argv prefix running a command on one CPU, or on a list of them such as "2,3" (none when None)."""
     return [] if cpu is None else ["taskset", "-c", str(cpu)]
 
 
@@ -56,8 +56,8 @@ class Iperf3Result:
 
 
 def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None, bind: str | None = None,
-               seconds: float | None = None, attempts: int = 5, server_cpu: int | None = None,
-               client_cpu: int | None = None, omit_s: float = 0) -> Iperf3Result:
+               seconds: float | None = None, attempts: int = 5, server_cpu: int | str | None = None,
+               client_cpu: int | str | None = None, omit_s: float = 0, window: str = "") -> Iperf3Result:
     """One iperf3 run with ``streams`` parallel TCP streams (a run that iperf3 itself reports as
     failed is repeated with a fresh server); ``omit_s`` seconds of slow start before ``seconds``
     count toward nothing."""
@@ -66,6 +66,7 @@ def iperf3_run(host: str, streams: int, num_bytes: int, netns: str | None = None
     wrap += pinned(server_cpu)
     amount = ["-t", str(seconds)] if seconds else ["-n", str(num_bytes)]
     amount += ["-O", str(omit_s)] if omit_s else []
+    amount += ["-w", window] if window else []
     error = ""
     for _ in range(attempts):
         port = free_port()
@@ -135,7 +136,7 @@ while True:
 
 
 def start_receiver(secret: str, host: str = "127.0.0.1", port: int = 0, connections: int = 8,
-                   netns: str | None = None, cpu: int | None = None,
+                   netns: str | None = None, cpu: int | str | None = None,
                    **settings: object) -> tuple[subprocess.Popen, int]:
     """A KV receiver in its own process (optionally inside ``netns``, on ``cpu``), with more
     ``TransportSettings`` than the defaults where given; returns it and its port. It prints one line

@@ -3,8 +3,10 @@
 For each number of I/O threads per side (``transport.io_threads``: 1, 2, ... up to the host's
 cores) and each number of connections (1, 2, 4, 8, 16), 1 GiB of KV (64 layers of 16 MiB, checksums
 and the shared secret on, as deployed) goes from this process to a receiver process; iperf3 moves
-the same bytes with as many streams in the same rounds, the two taking turns. Nothing is pinned:
-the threads of both ends go where the scheduler puts them, as iperf3's do. The best round of each
+the same bytes with as many streams in the same rounds, the two taking turns. Each end gets half of
+the cores: the sender (this process) and iperf3's client the first half, the receiver and iperf3's
+server the second (on a 2-core host one each, as bench/transport_loopback.py pins them), so the
+ends never take each other's cores, and a thread count beyond an end's cores shows what it costs. The best round of each
 point is kept (bench/transport_loopback.py says why). Each point's CPU per GiB (user and system, of
 each end) is printed beside it; the table and a plot (Gbit/s against connections, a line per
 thread count and one for iperf3) are written under bench/results/transport_scaling-<time>/.
@@ -68,8 +70,8 @@ def transport_round(receiver: subprocess.Popen, tx: KVTransport, peer: str, tran
                  (receiver_after[0] - receiver_before[0]) / gib, (receiver_after[1] - receiver_before[1]) / gib)
 
 
-def iperf3_round(streams: int, num_bytes: int) -> Point:
-    run = iperf3_run("127.0.0.1", streams, num_bytes)
+def iperf3_round(streams: int, num_bytes: int, sender_cpus: str, receiver_cpus: str) -> Point:
+    run = iperf3_run("127.0.0.1", streams, num_bytes, client_cpu=sender_cpus, server_cpu=receiver_cpus)
     gib = (run.num_bytes or num_bytes) / (1 << 30)
     return Point(run.gbps, (run.client_cpu_s - run.client_sys_s) / gib, run.client_sys_s / gib,
                  (run.server_cpu_s - run.server_sys_s) / gib, run.server_sys_s / gib)
@@ -79,10 +81,19 @@ def parse_counts(text: str) -> list[int]:
     return sorted({int(part) for part in text.split(",") if part.strip()})
 
 
+def halves() -> tuple[list[int], list[int]]:
+    """The cores of the sending end and of the receiving end (one each on a 2-core host)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return cores, cores
+    return cores[:len(cores) // 2], cores[len(cores) // 2:]
+
+
 def default_threads() -> str:
-    cores = len(os.sched_getaffinity(0))
+    """1, and powers of 2 up to twice an end's cores (at least 2): the last shows threads beyond the cores."""
+    cores = len(halves()[0])
     counts, n = [1], 2
-    while n <= max(cores, 2):
+    while n <= max(2 * cores, 2):
         counts.append(n)
         n *= 2
     return ",".join(map(str, counts))
@@ -130,7 +141,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", default="1,2,4,8,16", help="connection counts (default 1,2,4,8,16)")
     parser.add_argument("--threads", default=default_threads(),
-                        help=f"I/O thread counts per side (default: 1 and powers of 2 up to the cores, here "
+                        help=f"I/O thread counts per side (default: 1 and powers of 2 up to twice an end's cores, here "
                         f"{default_threads()})")
     parser.add_argument("--megabytes", type=int, default=1024, help="KV per transfer in MiB (default 1024)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the best of each point is kept (default 3)")
@@ -147,10 +158,13 @@ def main() -> int:
     layer_bytes = args.megabytes * (1 << 20) // NUM_LAYERS
     payload = memoryview(os.urandom(layer_bytes))
     cores = len(os.sched_getaffinity(0))
+    sending, receiving = halves()
+    sender_cpus, receiver_cpus = ",".join(map(str, sending)), ",".join(map(str, receiving))
+    os.sched_setaffinity(0, sending)
     with tempfile.TemporaryDirectory() as certs:
         extra = tls_settings(Path(certs)) if args.tls else {}
         common = dict(secret=SECRET, frame_bytes=args.frame_kib << 10, **extra)
-        receivers = {t: start_receiver(SECRET, connections=max(connections), io_threads=t, **{
+        receivers = {t: start_receiver(SECRET, connections=max(connections), io_threads=t, cpu=receiver_cpus, **{
             k: v for k, v in common.items() if k != "secret"}) for t in threads}
         links = {(t, n): KVTransport(TransportSettings(connections_per_peer=n, io_threads=min(t, n), **common))
                  for t in threads for n in connections}
@@ -168,7 +182,7 @@ def main() -> int:
                                                           f"r{round_id}-{t}-{n}", payload))
                         print(f"round {round_id + 1}, {n:2d} connections, {t} threads: "
                               + describe("transport", ours[t, n][-1]), file=sys.stderr)
-                    theirs[n].append(iperf3_round(n, NUM_LAYERS * layer_bytes))
+                    theirs[n].append(iperf3_round(n, NUM_LAYERS * layer_bytes, sender_cpus, receiver_cpus))
                     print(f"round {round_id + 1}, {n:2d} streams:              "
                           + describe("iperf3", theirs[n][-1]), file=sys.stderr)
         finally:
@@ -181,7 +195,8 @@ def main() -> int:
     best_theirs = {n: best(points) for n, points in theirs.items()}
     out = args.out or results_dir("transport_scaling")
     out.mkdir(parents=True, exist_ok=True)
-    setup = (f"{cores} cores, {args.megabytes} MiB per transfer, frames of {args.frame_kib} KiB"
+    setup = (f"{cores} cores (sender on {sender_cpus}, receiver on {receiver_cpus}), {args.megabytes} MiB per "
+             f"transfer, frames of {args.frame_kib} KiB"
              + (", mutual TLS" if args.tls else "") + f", best of {args.rounds} rounds")
     print(f"goodput in Gbit/s (best round; CPU s/GiB of both ends together in brackets); {setup}")
     print("connections  " + "  ".join(f"{t} thread{'s' if t > 1 else ' '}      " for t in threads) + "  iperf3")

@@ -245,7 +245,8 @@ class GenerateCall:
     async def rest(self) -> AsyncIterator[TokenDelta]:
         """The deltas after the first; raises WorkerFailed when the worker fails meanwhile: its call
         ends with an error, or it leaves ``UNANSWERED_POLLS`` of the router's polls in a row
-        unanswered while the stream waits (a hung process or a dead link). Either backs it off."""
+        unanswered while the stream waits (a hung process or a dead link). Either backs it off. A request
+        past its deadline (``request_timeout_s``) ends with WorkerFailed naming no worker: it does not move."""
         name = self._handle.name
         try:
             while (message := await self._next()) is not grpc.aio.EOF:
@@ -257,6 +258,10 @@ class GenerateCall:
                                        delta.finish_reason, name)
                 yield delta
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the request's own deadline, not the worker's fault
+                raise WorkerFailed(f"the request ran past router.request_timeout_s "
+                                   f"({self._pool.config.request_timeout_s:g} s) on worker {name}",
+                                   "deadline_exceeded", "") from None
             self._pool.mark_unreachable(self._handle)
             raise WorkerFailed(f"worker {name} failed mid-request: {exc.code().name}", exc.code().name.lower(),
                                name) from None

@@ -312,3 +312,12 @@ def test_an_abort_before_the_first_token_sends_the_request_to_another_worker():
     deltas, error, _ = asyncio.run(_run(workers, Sampling(max_tokens=6)))
     assert error is None and [t for d in deltas for t in d.token_ids] == reference(6)
     assert deltas[-1].finish_reason == "length"
+
+
+def test_a_request_past_its_deadline_ends_with_an_error_and_does_not_move():
+    workers = [Worker(fail_after=3, hang=True), Worker()]
+    deltas, error, metrics = asyncio.run(_run(workers, Sampling(max_tokens=9), router={"request_timeout_s": 1.0}))
+    assert isinstance(error, WorkerFailed) and "request_timeout_s" in str(error)
+    assert [t for d in deltas for t in d.token_ids] == reference(3)
+    assert all(d.finish_reason is None for d in deltas)
+    assert workers[1].requests == []  # a deadline is the request's, not a reason to start it over elsewhere

@@ -2,6 +2,8 @@
 like the loader's. The `cache_pools` and `scheduler` sections have checks of their own."""
 from __future__ import annotations
 
+import re
+
 from services.config.cache_pool_checks import check_cache_pools
 from services.config.errors import ConfigError
 from services.config.scheduler_checks import check_scheduler
@@ -33,6 +35,11 @@ def check_deployment(config: DeploymentConfig) -> None:
 
 
 def _check_stop_and_restart(config: DeploymentConfig) -> None:
+    if not config.router.lease_duration_s >= 3:
+        raise ConfigError(f"router.lease_duration_s: must be at least 3, got {config.router.lease_duration_s!r}")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", config.router.lease_name):
+        raise ConfigError(f"router.lease_name: must be a Kubernetes object name (lower-case letters, digits, '-' "
+                          f"and '.'), got {config.router.lease_name!r}")
     if not config.router.drain_timeout_s >= 0:
         raise ConfigError(f"router.drain_timeout_s: must be 0 or positive, got {config.router.drain_timeout_s!r}")
     supervisor = config.supervisor

@@ -123,6 +123,16 @@ class RouterConfig:
         30.0, "On SIGTERM or SIGINT (as `prfaas up` stops it) the router answers new requests 503 with "
         "`Retry-After` and gives the requests in flight this long to finish; a stream still going then ends with "
         "an OpenAI-shaped error event before `[DONE]`, and a non-streamed request gets a 503 with an error body.")
+    role_decisions: Literal["replica-0", "kubernetes-lease"] = _opt(
+        "replica-0", "Which of several routers in front of the same workers makes role-flip decisions "
+        "(`scheduler.role_flips`); the others follow the workers' reported roles. `replica-0`: the router "
+        "started with `--replica 0` (the default; `prfaas up --routers N` numbers its routers 0..N-1). "
+        "`kubernetes-lease`: whichever router pod holds the coordination.k8s.io Lease `lease_name` in its "
+        "namespace (RBAC: deploy/kubernetes/base/local-cluster/router.yaml).")
+    lease_name: str = _opt("prfaas-router-roles", "The Lease that `role_decisions: kubernetes-lease` holds.")
+    lease_duration_s: float = _opt(
+        15.0, "With `kubernetes-lease`: a Lease not renewed for this long may be taken by another router; the "
+        "holder renews it every third of it and stops deciding once a renewal is this old.")
     max_body_bytes: int | None = _opt(
         None, "Largest HTTP request body; larger ones are answered 413 before they are read or parsed. Null: "
         "32 bytes per token of `model.max_model_len` plus 1 MiB (room for the longest prompt as JSON text or "

@@ -12,6 +12,7 @@ from prfaas.v1 import worker_pb2_grpc as pb_grpc
 from services.engine import worker_rpc
 from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
+from services.engine.worker_state import Busy
 from services.logs import bind_request_id
 from services.worker_api import convert
 from services.worker_api.types import MAX_TOP_LOGPROBS
@@ -29,6 +30,10 @@ class DecodeWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.DecodeWorkerServic
         if generate_input.sampling.top_logprobs > MAX_TOP_LOGPROBS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.top_logprobs is "
                                 f"{generate_input.sampling.top_logprobs}; at most {MAX_TOP_LOGPROBS}")
+        try:
+            self._guard.roles.check_generate()
+        except Busy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         logger.debug("request %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids))
         stream = self._engine.generate(generate_input)
         try:

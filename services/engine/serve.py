@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +27,7 @@ from services.engine.args import engine_args, kv_transfer_config
 from services.engine import ipc_dir, shm_ledger
 from services.engine.cpus import confine_worker, engine_core_forks, model_in_engine_core
 from services.engine.engine import Engine
+from services.engine.worker_state import HandoffSlots, RoleState
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
 
@@ -52,9 +53,12 @@ class WorkerIdentity:
 @dataclass(frozen=True, slots=True)
 class CallerGuard:
     """What a worker's servicers enforce beyond the token check: the KV targets a Prefill may name,
-    and the count of refused calls (reported in ``WorkerStats.grpc_rejected``)."""
+    the count of refused calls (reported in ``WorkerStats.grpc_rejected``), and the state every router
+    must agree on: the run-time role (``SetRole``) and the hand-off slots."""
     kv_targets: KnownPeers
     rejections: Rejections
+    roles: RoleState = field(default_factory=lambda: RoleState("both"))
+    handoffs: HandoffSlots = field(default_factory=lambda: HandoffSlots(0))
 
 
 AddServicer = Callable[[Engine, WorkerIdentity, grpc.aio.Server, CallerGuard], str]
@@ -90,7 +94,8 @@ async def serve_worker(
         # line on the 2-core machine; 0.3 s frozen).
         freeze_gc_heap()
         security = GrpcSecurity.of(config)
-        guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name))
+        guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name), RoleState(worker.role),
+                            HandoffSlots(config.router.max_handoffs_per_prefill_worker))
         server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

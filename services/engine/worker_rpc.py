@@ -4,6 +4,7 @@ services answer ``GetStats`` with. Converts protobuf and calls the engine; each 
 (services/prefill_worker/server.py, services/decode_worker/server.py) delegates here."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -13,6 +14,7 @@ from prfaas.v1 import worker_pb2 as pb
 from services.engine.engine import Engine
 from services.engine.kv_sends import KvSendFailed, KvSendWatch
 from services.engine.serve import CallerGuard, WorkerIdentity
+from services.engine.worker_state import Busy, NotFlippable, StaleGeneration
 from services.kv_transport import PROTOCOL_VERSION as KV_PROTOCOL_VERSION
 from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import bind_request_id
@@ -32,6 +34,22 @@ class WorkerServicer:
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return stats_message(self._engine, self._identity, self._guard)
 
+    async def SetRole(self, request: pb.SetRoleRequest, context) -> pb.RoleState:
+        """Compare-and-set of the run-time role: FAILED_PRECONDITION for a stale generation or a worker
+        that does not flip, INVALID_ARGUMENT for an unknown role."""
+        roles = self._guard.roles
+        try:
+            state = roles.compare_and_set(request.expected_generation, request.role, request.draining)
+        except StaleGeneration as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except NotFlippable as exc:
+            code = grpc.StatusCode.INVALID_ARGUMENT if request.role not in ("prefill", "decode") \
+                else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, str(exc))
+        logger.info("role set by %s: %s%s (generation %d)", context.peer(), state.role,
+                    ", draining" if state.draining else "", state.generation)
+        return pb.RoleState(role=state.role, draining=state.draining, generation=state.generation)
+
 
 async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
     """Computes the prompt's KV (one output token), streaming it to ``kv_target``, which must be a
@@ -46,6 +64,15 @@ async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest
         guard.rejections.count("unknown_peer")
         logger.warning("request %s: refused Prefill from %s: %s", request.request_id, context.peer(), why)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+    try:  # RESOURCE_EXHAUSTED before anything starts: the router waits or goes elsewhere
+        guard.roles.check_prefill()
+        with guard.handoffs.held() if request.kv_target else contextlib.nullcontext():
+            return await _prefill(engine, request, context)
+    except Busy as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+
+async def _prefill(engine: Engine, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
     started = time.perf_counter()
     prefill_input = convert.prefill_input_from_proto(request)
     watch = KvSendWatch(prefill_input.kv_transfer.transfer_id if prefill_input.kv_transfer else "",
@@ -80,11 +107,17 @@ def _transport(engine: Engine) -> TransportSnapshot | None:
 
 
 def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) -> pb.WorkerStats:
+    role = guard.roles.current
     return convert.stats_to_proto(
         engine.stats(),
         worker_name=identity.worker_name,
         service=identity.service,
-        role=identity.role,
+        role=role.role,
+        draining=role.draining,
+        role_generation=role.generation,
+        num_handoffs=guard.handoffs.num_held,
+        max_handoffs=guard.handoffs.limit,
+        peak_handoffs=guard.handoffs.peak_held,
         model=identity.model,
         max_model_len=engine.max_model_len if engine.started else 0,
         grpc_rejected=guard.rejections.snapshot(),

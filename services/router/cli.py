@@ -14,6 +14,9 @@ def register(subparsers) -> None:
     parser.add_argument("--config", required=True, help="deployment YAML file (see deploy/local.yaml)")
     parser.add_argument("--host", help="override router.host from the config")
     parser.add_argument("--port", type=int, help="override router.port from the config")
+    parser.add_argument("--replica", type=int, default=0,
+                        help="this router's number among several in front of the same workers (default 0); with "
+                        "router.role_decisions: replica-0, only replica 0 makes role-flip decisions")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override logging.level")
     parser.set_defaults(func=_run)
 
@@ -42,7 +45,7 @@ def _run(args) -> int:
         print(f"prfaas: {exc}", file=sys.stderr)
         return 2
     try:
-        uvloop.run(serve_router(config, host, port))
+        uvloop.run(serve_router(config, host, port, args.replica))
     except OSError as exc:
         print(f"prfaas: router cannot start: {exc}", file=sys.stderr)
         return 1

@@ -21,8 +21,8 @@ from services.router.admission import PrefillQueues
 from services.router.continuation import Continuation, Detokenize, StopScan
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
-from services.router.workers import (GenerateCall, Lease, PrefillFailed, WorkerError, WorkerFailed, WorkerPool,
-                                     WorkerRejected, WorkerUnavailable)
+from services.router.workers import (GenerateCall, Lease, PrefillBusy, PrefillFailed, WorkerError, WorkerFailed,
+                                     WorkerPool, WorkerRejected, WorkerUnavailable)
 from services.scheduling.placement import PromptCache, Route
 from services.worker_api.types import GenerateInput, TokenDelta
 
@@ -172,10 +172,14 @@ class Dispatcher:
     async def _start(self, request: GenerateInput, route: Route, decode: Lease) -> tuple[GenerateCall, TokenDelta]:
         """The call and its first delta; a failed hand-off falls back to a local prefill."""
         if route.prefill is not None:
-            try:
-                return await self._start_with_handoff(request, route, decode)
-            except PrefillFailed:
-                self._metrics.prefill_fallbacks.inc()
+            while True:
+                try:
+                    return await self._start_with_handoff(request, route, decode)
+                except PrefillBusy:  # another router took the worker's last slot: the pool waits for a free one
+                    continue
+                except PrefillFailed:
+                    break
+            self._metrics.prefill_fallbacks.inc()
         self._metrics.routed.labels("local").inc()
         call = self._pool.generate(decode, request)
         try:

@@ -142,6 +142,8 @@ class RouterMetrics:
                          "1 for a local PD worker's current role (prefill, decode, both).", ("worker", "role"))
     worker_draining = Metric(Gauge, "prfaas_scheduler_worker_draining",
                              "1 while a worker drains before a role flip.", ("worker",))
+    role_decider = Metric(Gauge, "prfaas_scheduler_role_decider",
+                          "1 while this router is the one that makes role decisions (router.role_decisions).")
     binding_stage = Metric(Gauge, "prfaas_scheduler_binding_stage",
                            "1 for the stage the role balancer sees binding (prefill, decode, none).", ("stage",))
     worker_backoff = Metric(Gauge, "prfaas_router_worker_backoff_seconds",

@@ -1,10 +1,16 @@
 """The router's long-timescale loop: after every stats poll, the local PD workers' queues and
 utilization go to ``RoleBalancer``; its actions drain a worker and then flip its run-time role.
 
-A flip is a router-side change only: every local PD worker runs its engine with a ``kv_both``
-connector and serves both the DecodeWorker and the PrefillWorker RPCs, so a flipped worker is
-simply routed prefills (role ``prefill``) or generations (role ``decode``) from then on. A worker
-needs a ``kv_port`` to decode requests prefilled elsewhere, so only workers with one flip.
+The worker holds its role: a flip is a compare-and-set ``SetRole`` call on it (``WorkerPool.set_role``),
+and every router reads the result from the worker's stats within one stats interval. Every local PD
+worker runs its engine with a ``kv_both`` connector and serves both the DecodeWorker and the
+PrefillWorker RPCs, so a flipped worker is simply routed prefills (role ``prefill``) or generations
+(role ``decode``) from then on; while it drains, it refuses new requests of either kind. A worker needs
+a ``kv_port`` to decode requests prefilled elsewhere, so only workers with one flip.
+
+Only one router decides at a time (``Leadership``: replica 0 under `prfaas up`, the holder of a
+Kubernetes Lease in a cluster); the others only follow the workers' stats. A generation that moved
+under the decider (a second decider) makes its change fail instead of overwriting the other's.
 """
 from __future__ import annotations
 
@@ -13,8 +19,9 @@ import time
 from collections.abc import Callable
 
 from services.config import DeploymentConfig, RoleFlipsConfig
+from services.router.leadership import Leadership, always_leader
 from services.router.metrics import RouterMetrics
-from services.router.workers import WorkerHandle, WorkerPool
+from services.router.workers import RoleConflict, WorkerHandle, WorkerPool
 from services.scheduling.affinity import PrefixAffinity
 from services.scheduling.roles import PdWorkerLoad, RoleAction, RoleBalancer, RoleFlipConfig, StageSnapshot
 
@@ -25,22 +32,32 @@ STAGES = ("prefill", "decode", "none")
 
 
 class RoleControl:
-    """Registered as a ``WorkerPool.on_poll`` callback; never blocks."""
+    """Registered as a ``WorkerPool.on_poll`` callback; waits only for the SetRole calls it makes."""
 
     def __init__(self, config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,
-                 affinity: PrefixAffinity | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 affinity: PrefixAffinity | None = None, clock: Callable[[], float] = time.monotonic,
+                 leadership: Leadership = always_leader) -> None:
         self.balancer = RoleBalancer(role_flip_config(config.scheduler.role_flips))
         self._max_num_seqs = {w.name: config.engine_for(w).max_num_seqs for w in config.workers}
         self._pool = pool
         self._metrics = metrics
         self._affinity = affinity
         self._clock = clock
+        self._leadership = leadership
+        self._roles = {h.name: h.role for h in pool.handles}
         self._export()
 
-    def on_poll(self) -> None:
-        action = self.balancer.observe(self.snapshot())
-        if action is not None:
-            self._apply(action)
+    async def on_poll(self) -> None:
+        if self._leadership.is_leader():
+            await self._clear_stray_drains()
+            action = self.balancer.observe(self.snapshot())
+            if action is not None:
+                await self._apply(action)
+        elif self.balancer.draining is not None:
+            logger.info("role flip: no longer deciding; the drain of %s is left to the router that decides now",
+                        self.balancer.draining.worker)
+            self.balancer.abandon()
+        self._follow()
         self._export()
 
     def snapshot(self) -> StageSnapshot:
@@ -60,23 +77,47 @@ class RoleControl:
                             num_prefill_queued=stats.num_waiting_requests, decode_utilization=utilization,
                             flippable=handle.flippable and handle.usable(now_s))
 
-    def _apply(self, action: RoleAction) -> None:
+    async def _clear_stray_drains(self) -> None:
+        """A worker left draining by a decider that stopped (or lost its lease) mid-flip serves again."""
+        ours = self.balancer.draining.worker if self.balancer.draining is not None else None
+        for handle in self._pd_workers():
+            if handle.draining and handle.name != ours and handle.flippable:
+                await self._set(handle, handle.role, False, "ending a drain no router continues")
+
+    async def _apply(self, action: RoleAction) -> None:
         handle = self._pool.handle(action.worker)
         if action.kind == "drain":
-            handle.draining = True
             logger.info("role flip: draining worker %s (%s -> %s; %s binds)", handle.name, handle.role,
                         action.to_role, self.balancer.binding)
+            if not await self._set(handle, handle.role, True, "drain"):
+                self.balancer.abandon()
             return
-        handle.draining = False
         if action.kind == "cancel":
             self._metrics.role_flip_cancels.inc()
             logger.warning("role flip: worker %s did not drain in time; it stays %s", handle.name, handle.role)
+            await self._set(handle, handle.role, False, "cancel")
             return
-        logger.info("role flip: worker %s is now %s (was %s)", handle.name, action.to_role, handle.role)
-        handle.role = action.to_role
-        self._metrics.role_flips.labels(action.to_role).inc()
-        if self._affinity is not None:
-            self._affinity.forget(handle.name)
+        was = handle.role
+        if await self._set(handle, action.to_role, False, "flip"):
+            logger.info("role flip: worker %s is now %s (was %s)", handle.name, action.to_role, was)
+            self._metrics.role_flips.labels(action.to_role).inc()
+
+    async def _set(self, handle: WorkerHandle, role: str, draining: bool, what: str) -> bool:
+        try:
+            await self._pool.set_role(handle, role, draining)
+            return True
+        except RoleConflict as exc:
+            logger.warning("role flip: %s of %s not applied: %s", what, handle.name, exc)
+            return False
+
+    def _follow(self) -> None:
+        """A role changed at the worker (by this router or another): the prefix estimate of it is stale."""
+        for handle in self._pool.handles:
+            if self._roles.get(handle.name) != handle.role:
+                logger.info("worker %s is %s now (generation %d)", handle.name, handle.role, handle.role_generation)
+                self._roles[handle.name] = handle.role
+                if self._affinity is not None:
+                    self._affinity.forget(handle.name)
 
     def _export(self) -> None:
         for handle in self._pd_workers():
@@ -86,6 +127,7 @@ class RoleControl:
         binding = self.balancer.binding or "none"
         for stage in STAGES:
             self._metrics.binding_stage.labels(stage).set(1 if stage == binding else 0)
+        self._metrics.role_decider.set(1 if self._leadership.is_leader() else 0)
 
 
 def role_flip_config(flips: RoleFlipsConfig) -> RoleFlipConfig:

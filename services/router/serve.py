@@ -14,6 +14,7 @@ from services.engine.args import resolve_model_path
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.app import RouterApp
 from services.router.dispatch import Dispatcher
+from services.router.leadership import Fixed, KubernetesLease, Leadership
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
 from services.router.role_control import RoleControl
@@ -34,7 +35,8 @@ def api_keys(config: DeploymentConfig) -> frozenset[str]:
     return config.router.accepted_api_keys
 
 
-async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
+async def serve_router(config: DeploymentConfig, host: str, port: int, replica: int = 0) -> None:
+    """``replica``: this router's number among several in front of the same workers (0 for one)."""
     metrics = RouterMetrics()
     tokenizer = await asyncio.to_thread(PromptTokenizer, resolve_model_path(config.model))
     scheduler = config.scheduler
@@ -54,8 +56,9 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         pool.on_poll.append(control.on_poll)
         if control.reoptimizer is not None:
             dispatcher.on_request.append(control.reoptimizer.record_request)
+    leadership = _leadership(config, replica)
     if scheduler.role_flips.enabled:
-        pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity).on_poll)
+        pool.on_poll.append(RoleControl(config, pool, metrics, placement.affinity, leadership=leadership).on_poll)
     admission = None
     if config.scheduler.admission_control:
         admission = AdmissionControl(config, pool, queues, metrics)
@@ -75,6 +78,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
     runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
+    if isinstance(leadership, KubernetesLease):
+        leadership.start()
     await pool.start()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -85,10 +90,19 @@ async def serve_router(config: DeploymentConfig, host: str, port: int) -> None:
         logger.info("router stopping")
     finally:
         await runner.cleanup()
+        if isinstance(leadership, KubernetesLease):
+            await leadership.close()
         await pool.close()
         await placement.close()
         if index is not None:
             await index.close()
+
+
+def _leadership(config: DeploymentConfig, replica: int) -> Leadership:
+    """Who makes role decisions among several routers (router.role_decisions)."""
+    if config.router.role_decisions == "kubernetes-lease":
+        return KubernetesLease(config.router.lease_name, config.router.lease_duration_s)
+    return Fixed(replica == 0)
 
 
 def _threshold_control(config: DeploymentConfig, pool: WorkerPool, metrics: RouterMetrics,

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +39,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # poll's timeout apart) are a hang or a dead link.
 UNANSWERED_POLLS = 2
 MIN_RECHECK_S = 0.25  # a down worker is polled at most this often
+HANDOFF_RECHECK_S = 0.05  # a hand-off waiting for a slot another router holds looks again this often
 # The finish reasons of an answer the router stands behind (OpenAI's). Anything else a worker ends a
 # request with (vLLM's "abort" when its engine dropped the request: a worker stopping past its drain,
 # an engine that failed; or "error") is a failure of that worker, never an answer for the client.
@@ -78,6 +79,16 @@ class PrefillFailed(Exception):
     """A hand-off's prefill worker failed, or stopped being usable, before the request's KV came."""
 
 
+class PrefillBusy(PrefillFailed):
+    """The prefill worker refused the hand-off before starting it (RESOURCE_EXHAUSTED: every one of its
+    hand-off slots held, by this router or another, or it drains): wait and try again, or go elsewhere."""
+
+
+class RoleConflict(Exception):
+    """A role change was refused: another router changed the worker's role first (a stale
+    generation), or the worker could not be reached."""
+
+
 @dataclass(slots=True)
 class WorkerHandle:
     config: WorkerConfig
@@ -87,7 +98,8 @@ class WorkerHandle:
     stats_stub: object
     health: health_pb2_grpc.HealthStub
     backoff: Backoff
-    role: str = "both"
+    role: str = "both"  # the worker's run-time role: its own (WorkerStats.role), cached from the last poll
+    role_generation: int = 0  # of ``role`` and ``draining`` (0: a worker that does not hold its role)
     tp_size: int = 1  # the engine's tensor-parallel ranks; rank r receives KV at kv_port + r
     draining: bool = False
     healthy: bool = False
@@ -104,6 +116,11 @@ class WorkerHandle:
     # Requests waiting here for one of those slots: the PrfaaS queue the worker's stats cannot show
     # (the threshold controller adds them to its queue; exported as prfaas_router_handoffs_waiting).
     num_handoffs_waiting: int = 0
+    # Hand-offs this router started on the worker since its last stats answer, which counts them from
+    # then on (``stats.num_handoffs``): the router's estimate of the worker's slots between polls.
+    num_handoffs_since_poll: int = 0
+    # The worker refused a hand-off as busy since its last stats answer: wait for the next one.
+    handoff_refused: bool = False
     # Polls in a row that the worker did not answer (health check or stats call failed or timed out):
     # a hung process or a dead link, not a worker that answers NOT_SERVING while it drains.
     num_unanswered_polls: int = 0
@@ -231,6 +248,11 @@ class GenerateCall:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise WorkerRejected(exc.details()) from None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # draining or flipped: another worker
+                logger.info("request %s: worker %s takes no new request (%s); trying another", self._request_id,
+                            self._handle.name, exc.details())
+                self.cancel()
+                raise WorkerUnavailable(self._handle.name) from None
             if exc.code() not in RETRYABLE:
                 raise WorkerError(f"worker error: {exc.details()}") from None
             logger.warning("request %s: worker %s failed before the first token: %s", self._request_id,
@@ -306,6 +328,11 @@ class PrefillCall:
             if task.done():
                 exc = task.exception()
                 why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    logger.info("request %s: prefill worker %s is busy (%s)", request_id, name, why)
+                    self._handle.handoff_refused = True
+                    read.cancel()
+                    raise PrefillBusy()
                 logger.warning("request %s: prefill on %s failed (%s); prefilling locally instead", request_id, name,
                                why)
                 break
@@ -334,7 +361,7 @@ class WorkerPool:
             self._handles[name].tp_size = size
         self.layouts = LayoutNegotiation(metrics)
         self._poller: asyncio.Task | None = None
-        self.on_poll: list[Callable[[], None]] = []
+        self.on_poll: list[Callable[[], Awaitable[None] | None]] = []
         # how often a down worker is polled between the full polls: the first back-off's length
         self.recheck_s = min(config.stats_interval_s, max(backoff.base_s, MIN_RECHECK_S))
 
@@ -396,15 +423,33 @@ class WorkerPool:
                     async with asyncio.timeout(self._config.stats_interval_s):
                         await handle.handoffs.acquire()
                     lease._handoff = handle.handoffs
-                    return
+                    break
                 except TimeoutError:
                     if not self.is_usable(handle):
                         logger.warning("request %s: prefill worker %s stopped answering while the request waited "
                                        "for it; prefilling locally instead", request_id, handle.name)
                         raise PrefillFailed() from None
+            await self._wait_for_worker_slot(lease, request_id)
         finally:
             handle.num_handoffs_waiting -= 1
             gauge.set(handle.num_handoffs_waiting)
+
+    async def _wait_for_worker_slot(self, lease: Lease, request_id: str) -> None:
+        """Other routers hold some of the worker's slots: wait until its last reported count plus the
+        hand-offs this router started since then leaves one free (the worker refuses the rest anyway)."""
+        handle = lease.handle
+        while handle.handoff_refused or (handle.stats.max_handoffs and handle.stats.num_handoffs
+                                         + handle.num_handoffs_since_poll >= handle.stats.max_handoffs):
+            await asyncio.sleep(HANDOFF_RECHECK_S)
+            if handle.draining:
+                logger.info("request %s: prefill worker %s drains for a role flip; prefilling locally instead",
+                            request_id, handle.name)
+                raise PrefillFailed()
+            if not self.is_usable(handle):
+                logger.warning("request %s: prefill worker %s stopped answering while the request waited for it; "
+                               "prefilling locally instead", request_id, handle.name)
+                raise PrefillFailed()
+        handle.num_handoffs_since_poll += 1
 
     def generate(self, lease: Lease, request: GenerateInput) -> GenerateCall:
         """Starts the request's Generate stream on the leased worker, with the request deadline."""
@@ -461,7 +506,11 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(h) for h in self._handles.values()))
         self.negotiate_layouts()
         for callback in self.on_poll:
-            callback()
+            try:
+                if (pending := callback()) is not None:
+                    await pending
+            except Exception:  # one callback's bug must not stop the polls the routes depend on
+                logger.exception("poll callback %r failed", callback)
 
     def negotiate_layouts(self) -> None:
         """Judge the layouts the serving workers announced in their last stats (see ``layouts``)."""
@@ -499,6 +548,8 @@ class WorkerPool:
             health = await handle.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             handle.stats = convert.stats_from_proto(await handle.stats_stub.GetStats(convert.stats_request(),
                                                                                      timeout=timeout))
+            handle.num_handoffs_since_poll, handle.handoff_refused = 0, False
+            self._take_role(handle, handle.stats.role, handle.stats.draining, handle.stats.role_generation)
             healthy = health.status == health_pb2.HealthCheckResponse.SERVING
             handle.num_unanswered_polls = 0
         except grpc.aio.AioRpcError:
@@ -508,6 +559,24 @@ class WorkerPool:
             logger.info("worker %s is %s", handle.name, "healthy" if healthy else "not serving")
         handle.healthy = healthy
         self._export(handle)
+
+    async def set_role(self, handle: WorkerHandle, role: str, draining: bool) -> None:
+        """Asks the worker to take ``role`` (and drain or not), compare-and-set on the generation this
+        router last saw; raises RoleConflict when it refuses (another router changed it first) or cannot
+        be reached. The worker's answer is the new truth, cached here at once."""
+        try:
+            state = await handle.decode.SetRole(convert.set_role_request(handle.role_generation, role, draining),
+                                                timeout=self._config.connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise RoleConflict(f"worker {handle.name} refused the role change: {exc.code().name}: "
+                               f"{exc.details()}") from None
+        self._take_role(handle, state.role, state.draining, state.generation)
+
+    @staticmethod
+    def _take_role(handle: WorkerHandle, role: str, draining: bool, generation: int) -> None:
+        """The worker's role state, unless this router holds a newer one (an answer that crossed a poll)."""
+        if generation and generation >= handle.role_generation:
+            handle.role, handle.draining, handle.role_generation = role, draining, generation
 
     def _export(self, handle: WorkerHandle) -> None:
         self._metrics.worker_up.labels(handle.name).set(1 if handle.healthy else 0)

@@ -106,6 +106,10 @@ class RoleBalancer:
         self._drain_since_s = snapshot.now_s
         return self.draining
 
+    def abandon(self) -> None:
+        """Forget the drain in progress: its worker refused it, or another router decides now."""
+        self.draining = None
+
     def _donor(self, snapshot: StageSnapshot, binding: Role) -> PdWorkerLoad | None:
         """A worker of the role that does not bind, if that role can spare one."""
         others = [w for w in snapshot.workers if w.role != binding]

@@ -132,7 +132,13 @@ def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
         kv_pool_tokens_stored=msg.kv_pool_tokens_stored, kv_pool_loads_failed=msg.kv_pool_loads_failed,
         kv_pool_stores_failed=msg.kv_pool_stores_failed, grpc_rejected=dict(msg.grpc_rejected),
         layout_spec=msg.layout_spec, kv_protocol_version=msg.kv_protocol_version,
-        kv_transfers_receiving=msg.kv_transfers_receiving, kv_transfers_sending=msg.kv_transfers_sending)
+        kv_transfers_receiving=msg.kv_transfers_receiving, kv_transfers_sending=msg.kv_transfers_sending,
+        draining=msg.draining, role_generation=msg.role_generation, num_handoffs=msg.num_handoffs,
+        max_handoffs=msg.max_handoffs, peak_handoffs=msg.peak_handoffs)
+
+
+def set_role_request(expected_generation: int, role: str, draining: bool) -> pb.SetRoleRequest:
+    return pb.SetRoleRequest(expected_generation=expected_generation, role=role, draining=draining)
 
 
 def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_tp_size: int = 1) -> pb.PrefillRequest:

@@ -101,3 +101,8 @@ class WorkerStats:
     kv_protocol_version: int = 0  # the KV wire protocol the worker speaks; 0: not announced
     kv_transfers_receiving: int = 0  # KV transfers begun and not ended (0 at rest)
     kv_transfers_sending: int = 0
+    draining: bool = False  # the run-time role state the worker holds (SetRole)
+    role_generation: int = 0  # 0: an older worker that does not hold its role
+    num_handoffs: int = 0  # hand-offs open at the worker now, of at most max_handoffs (0: no limit)
+    max_handoffs: int = 0
+    peak_handoffs: int = 0  # the most held at once since the worker started

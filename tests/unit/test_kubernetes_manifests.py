@@ -371,3 +371,18 @@ def test_pods_run_the_image_as_its_user_with_its_ports_and_cache_dir(deployment,
         assert set(container_ports(workload).values()) <= image["exposed"], name
         cache = env_of(workload).get("PRFAAS_CACHE_DIR")
         assert cache is None or cache["value"] == image["cache_dir"], name
+
+
+@pytest.mark.parametrize("deployment", deployments())
+def test_router_replicas_may_hold_the_lease_of_role_decisions_and_nothing_more(deployment):
+    rendered = render(deployment, "local-cluster")
+    config = config_of(rendered)
+    assert config.router.role_decisions == "kubernetes-lease"
+    pod = rendered.one("Deployment", "router")["spec"]["template"]["spec"]
+    binding = rendered.one("RoleBinding", "prfaas-router-lease")
+    assert [s["name"] for s in binding["subjects"]] == [pod["serviceAccountName"]]
+    rules = rendered.one("Role", binding["roleRef"]["name"])["rules"]
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in rules)
+    named = {verb for r in rules if r.get("resourceNames") == [config.router.lease_name] for verb in r["verbs"]}
+    assert named == {"get", "update"}
+    assert {verb for r in rules if "resourceNames" not in r for verb in r["verbs"]} == {"create"}

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from services.engine.kv_sends import KvSendFailed, KvSendWatch
+from services.engine.serve import CallerGuard
 from services.kv_transport.telemetry import TransportSnapshot
 from services.worker_api.types import TokenDelta
 
@@ -136,7 +137,7 @@ def _prefill(engine: Engine, kv_target: str = "127.0.0.1:9"):
 
     from services.engine import worker_rpc
 
-    guard = SimpleNamespace(kv_targets=SimpleNamespace(refusal=lambda target, tp_size: None))
+    guard = CallerGuard(kv_targets=SimpleNamespace(refusal=lambda target, tp_size: None), rejections=None)
     request = pb.PrefillRequest(request_id="req-1", prompt_token_ids=[1, 2, 3], kv_target=kv_target)
     return asyncio.run(worker_rpc.prefill(engine, guard, request, Context()))
 

@@ -21,6 +21,7 @@ from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
 from services.router.workers import WorkerPool
 from services.scheduling.congestion import FixedThreshold
+from services.engine.worker_state import Busy, HandoffSlots
 from services.security import GrpcSecurity
 
 MAX_HANDOFFS = 2
@@ -278,3 +279,72 @@ def test_a_kv_transfer_that_fails_at_the_sender_is_prefilled_locally_at_once():
     assert text == "local" and elapsed_s < 2.0 and fallbacks == 1
     assert prefill_worker_healthy  # the link failed, not the worker: it keeps its other hand-offs
     assert open_consumers == 0  # the decode worker's wait for the KV was cancelled
+
+
+class SlottedWorkers(HeldWorkers):
+    """HeldWorkers whose prefill worker enforces its hand-off slots itself, as a real worker does
+    (services/engine/worker_state.HandoffSlots: RESOURCE_EXHAUSTED when every slot is held), and
+    reports them in its stats."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.slots = HandoffSlots(limit)
+        self.num_refused = 0
+
+    async def Prefill(self, request, context):
+        try:
+            with self.slots.held():
+                return await super().Prefill(request, context)
+        except Busy as exc:
+            self.num_refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    async def GetStats(self, request, context):
+        return wpb.WorkerStats(num_handoffs=self.slots.num_held, max_handoffs=self.slots.limit)
+
+
+def test_a_hand_off_limit_holds_across_two_routers_and_nothing_fails():
+    """Two routers, each allowed 1 hand-off on the prefill worker, send 3 long prompts each: the worker
+    never holds more than 1, the routers wait (none prefilled locally, none failed)."""
+    async def main():
+        security = GrpcSecurity()
+        servicer = SlottedWorkers(limit=1)
+        decode_server, decode_port = await _serve(servicer, security)
+        prefill_server, prefill_port = await _serve(servicer, security)
+        config = parse_config({
+            "model": {"name": "m", "path": "/m"},
+            "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": 1},
+            "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
+                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+        routers = []
+        for _ in range(2):
+            metrics = RouterMetrics()
+            pool = WorkerPool(config.workers, config.router, metrics, security=security)
+            routers.append((pool, metrics, Dispatcher(pool, config.router, metrics,
+                                                      Placement(config, pool, metrics,
+                                                                threshold=FixedThreshold(THRESHOLD)))))
+        try:
+            for pool, _, _ in routers:
+                await pool.start()
+
+            async def one(dispatcher, index: int) -> str:
+                request = GenerateInput(f"r{index}", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
+                return "".join([delta.text async for delta in dispatcher.generate(request)])
+
+            answers = [asyncio.create_task(one(routers[i % 2][2], i)) for i in range(6)]
+            for _ in range(5):  # release the hand-offs one at a time, a few polls apart
+                await asyncio.sleep(0.35)
+                servicer.release.set()
+                await asyncio.sleep(0)
+                servicer.release.clear()
+            servicer.release.set()
+            return (await asyncio.wait_for(asyncio.gather(*answers), timeout=10), servicer.max_open_prefills,
+                    sum(m.prefill_fallbacks._value.get() for _, m, _ in routers))
+        finally:
+            for pool, _, _ in routers:
+                await pool.close()
+            await decode_server.stop(0)
+            await prefill_server.stop(0)
+    answers, max_open, fallbacks = asyncio.run(main())
+    assert max_open == 1
+    assert answers == ["remote"] * 6 and fallbacks == 0

@@ -13,11 +13,13 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
+from services.router.leadership import Fixed
 from services.router.role_control import RoleControl
-from services.router.workers import WorkerPool
+from services.router.workers import RoleConflict, WorkerPool
 from services.scheduling.backoff import BackoffConfig
 from services.scheduling.congestion import FixedThreshold
 from services.scheduling.offload import CacheTransfer
+from support.worker_roles import WorkerRoles
 
 BLOCK = 128
 WORKERS = [
@@ -155,42 +157,119 @@ FLIPS = {"enabled": True, "min_dwell_s": 100, "sustain_s": 5, "max_drain_s": 60}
 
 def test_role_control_drains_then_flips_a_decode_worker_to_prefill():
     async def body(config, pool, metrics, clock):
+        owner = WorkerRoles(pool)
         control = RoleControl(config, pool, metrics, clock=clock)
         pool.handle("pd-p").stats = WorkerStats(num_waiting_requests=10)
         pool.handle("pd-d1").num_in_flight = 1
         pool.handle("pd-d2").num_in_flight = 2
-        control.on_poll()
+        await control.on_poll()
         clock.now = 5.0
-        control.on_poll()
-        draining = pool.handle("pd-d1").draining
+        await control.on_poll()
+        draining = pool.handle("pd-d1").draining, owner.states["pd-d1"].current.draining
         routes = {pool.route(10, 1024).decode for _ in range(3)}
         clock.now = 6.0
-        control.on_poll()                           # still one request in flight
+        await control.on_poll()                           # still one request in flight
         pool.handle("pd-d1").num_in_flight = 0
         clock.now = 7.0
-        control.on_poll()
-        return draining, routes, pool.handle("pd-d1").role, pool.route(10, 1024)
-    draining, routes, role, route = run_with_pool(
+        await control.on_poll()
+        return draining, routes, pool.handle("pd-d1").role, owner.states["pd-d1"].current, pool.route(10, 1024)
+    draining, routes, role, at_worker, route = run_with_pool(
         {"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True)
-    assert draining and routes == {"pd-d2"}
-    assert role == "prefill"
+    assert draining == (True, True) and routes == {"pd-d2"}
+    assert role == "prefill" and (at_worker.role, at_worker.draining, at_worker.generation) == ("prefill", False, 3)
     assert route.path == "pd" and route.decode == "pd-d2" and route.prefill in ("pd-p", "pd-d1")
 
 
 def test_role_flip_metrics():
     async def body(config, pool, metrics, clock):
+        WorkerRoles(pool)
         control = RoleControl(config, pool, metrics, clock=clock)
         pool.handle("pd-p").stats = WorkerStats(num_waiting_requests=10)
         for now in (0.0, 5.0, 6.0):
             clock.now = now
-            control.on_poll()
+            await control.on_poll()
         return metrics
     metrics = run_with_pool({"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True)
     assert value(metrics, "prfaas_scheduler_role_flips_total", role="prefill") == 1
     assert value(metrics, "prfaas_scheduler_binding_stage", stage="prefill") == 1
+    assert value(metrics, "prfaas_scheduler_role_decider") == 1
     flipped = [w for w in ("pd-d1", "pd-d2") if value(metrics, "prfaas_scheduler_worker_role", worker=w,
                                                       role="prefill") == 1]
     assert len(flipped) == 1
+
+
+def _two_routers(body):
+    """Two routers' pools and role controls (replica 0 decides, replica 1 follows) over one set of
+    workers' role states; ``body(pools, controls, owner, clock)``."""
+    async def main(config, pool, metrics, clock):
+        other = WorkerPool(config.workers, config.router, RouterMetrics(), BackoffConfig(1.0, 8.0), flippable=True,
+                           clock=clock)
+        for handle in other.handles:
+            handle.healthy = True
+        try:
+            owner = WorkerRoles(pool, other)
+            controls = [RoleControl(config, p, p.metrics, clock=clock, leadership=Fixed(i == 0))
+                        for i, p in enumerate((pool, other))]
+            for p in (pool, other):
+                p.handle("pd-p").stats = WorkerStats(num_waiting_requests=10)
+            return await body((pool, other), controls, owner, clock)
+        finally:
+            await other.close()
+    return run_with_pool({"workers": PD, "scheduler": {"role_flips": FLIPS}}, main, flippable=True)
+
+
+def test_a_flip_by_the_deciding_router_is_seen_by_the_other_at_its_next_poll():
+    async def body(pools, controls, owner, clock):
+        seen = []
+        for now in (0.0, 5.0, 6.0):
+            clock.now = now
+            for pool, control in zip(pools, controls):
+                owner.poll(pool)
+                await control.on_poll()
+            seen.append(tuple(tuple((h.role, h.draining) for h in p.handles) for p in pools))
+        return seen, [c.balancer.draining for c in controls]
+    seen, draining = _two_routers(body)
+    assert seen[0][0] == seen[0][1]  # nothing yet
+    # t=5: the decider drains pd-d1 and the follower, polling after it, sees the drain at the worker
+    assert ("decode", True) in seen[1][0] and seen[1][1] == seen[1][0]
+    # t=6: drained and flipped; both routers agree
+    assert seen[2][0] == seen[2][1] and [r for r, _ in seen[2][0]].count("prefill") == 2
+    assert draining == [None, None]
+
+
+def test_a_stale_generation_is_refused_and_nothing_is_overwritten():
+    async def body(pools, controls, owner, clock):
+        first, second = (p.handle("pd-d1") for p in pools)
+        await pools[0].set_role(first, "prefill", True)
+        try:
+            await pools[1].set_role(second, "decode", False)  # generation 1: stale now
+        except RoleConflict as exc:
+            return str(exc), owner.states["pd-d1"].current
+    message, state = _two_routers(body)
+    assert "role generation 1 is stale: the worker is at generation 2" in message
+    assert (state.role, state.draining) == ("prefill", True)
+
+
+def test_a_router_that_does_not_decide_never_changes_a_role():
+    async def body(pools, controls, owner, clock):
+        for now in (0.0, 5.0, 6.0, 7.0):
+            clock.now = now
+            owner.poll(pools[1])
+            await controls[1].on_poll()
+        return [s.current.generation for s in owner.states.values()], controls[1].balancer.binding
+    generations, binding = _two_routers(body)
+    assert generations == [1, 1, 1] and binding is None
+
+
+def test_the_decider_ends_a_drain_its_predecessor_left():
+    async def body(pools, controls, owner, clock):
+        await pools[1].set_role(pools[1].handle("pd-d2"), "decode", True)  # a decider that then stopped
+        owner.poll(pools[0])
+        clock.now = 0.0
+        await controls[0].on_poll()
+        return owner.states["pd-d2"].current
+    state = _two_routers(body)
+    assert (state.role, state.draining, state.generation) == ("decode", False, 3)
 
 
 def test_workers_without_a_kv_port_do_not_flip():

@@ -4,7 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from services.worker_api import convert
-from services.engine.serve import WorkerIdentity
+from services.engine.serve import CallerGuard, WorkerIdentity
 from services.engine.worker_rpc import stats_message
 from services.worker_api.types import EngineStats, LinkStats
 from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
@@ -42,7 +42,21 @@ def test_the_stats_rpc_carries_the_announced_layout():
 
 def test_a_worker_announces_the_kv_protocol_it_speaks():
     engine = SimpleNamespace(stats=EngineStats, started=False, max_model_len=0, layout_spec=b"")
-    guard = SimpleNamespace(rejections=SimpleNamespace(snapshot=dict))
+    guard = CallerGuard(kv_targets=None, rejections=SimpleNamespace(snapshot=dict))
     message = stats_message(engine, WorkerIdentity("w", "decode_worker", "both", "m"), guard)
     assert convert.stats_from_proto(message).kv_protocol_version == PROTOCOL_VERSION > 0
     assert convert.stats_from_proto(convert.stats_to_proto(EngineStats())).kv_protocol_version == 0
+
+
+def test_a_worker_reports_the_role_it_holds_and_its_hand_off_slots():
+    from services.engine.worker_state import HandoffSlots, RoleState
+
+    engine = SimpleNamespace(stats=EngineStats, started=False, max_model_len=0, layout_spec=b"")
+    roles, slots = RoleState("decode"), HandoffSlots(2)
+    roles.compare_and_set(1, "prefill", True)
+    guard = CallerGuard(kv_targets=None, rejections=SimpleNamespace(snapshot=dict), roles=roles, handoffs=slots)
+    with slots.held():
+        stats = convert.stats_from_proto(stats_message(engine, WorkerIdentity("w", "decode_worker", "decode", "m"),
+                                                       guard))
+    assert (stats.role, stats.draining, stats.role_generation) == ("prefill", True, 2)
+    assert (stats.num_handoffs, stats.max_handoffs, stats.peak_handoffs) == (1, 2, 1)

@@ -46,6 +46,11 @@ class DecodeWorkerStub:
                 request_serializer=prfaas_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/prfaas.v1.DecodeWorker/SetRole',
+                request_serializer=prfaas_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_worker__pb2.RoleState.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -68,6 +73,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Compare-and-set of the worker's run-time role and drain state (role flips): applied only when
+        `expected_generation` is the worker's current role generation, which then grows by one; else
+        FAILED_PRECONDITION naming both generations. The worker holds this state: every router reads it
+        from WorkerStats (role, draining, role_generation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +95,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=prfaas_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=prfaas_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_worker__pb2.RoleState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +158,33 @@ class DecodeWorker:
             '/prfaas.v1.DecodeWorker/GetStats',
             prfaas_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             prfaas_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.DecodeWorker/SetRole',
+            prfaas_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            prfaas_dot_v1_dot_worker__pb2.RoleState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ moved by 0.15 of the ratio from run to run. Each tool's best round is its goodpu
 of that interference (timeit's rule: the fastest repeat is the one the host disturbed least), and
 iperf3's best is the highest limit it shows.
 
-    python bench/transport_loopback.py [--rounds 9] [--connections 8]
+    python bench/transport_loopback.py [--rounds 9] [--connections 8] [--io-threads N]
 """
 from __future__ import annotations
 
@@ -65,10 +65,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9,
                         help="alternating runs of each; the best of each is compared (default 9)")
     parser.add_argument("--connections", type=int, default=8, help="TCP connections / iperf3 streams (default 8)")
+    parser.add_argument("--io-threads", type=int, default=TransportSettings().io_threads,
+                        help=f"transport.io_threads of both ends (default {TransportSettings().io_threads})")
     args = parser.parse_args()
     os.sched_setaffinity(0, {SENDER_CPU})
-    receiver, port = start_receiver(SECRET, connections=args.connections, cpu=RECEIVER_CPU)
-    tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=args.connections))
+    receiver, port = start_receiver(SECRET, connections=args.connections, cpu=RECEIVER_CPU, io_threads=args.io_threads)
+    tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=args.connections,
+                                       io_threads=args.io_threads))
     try:
         transport_round(receiver, port, tx, -1)  # opens the connections, which a deployment keeps open
         ours, theirs = [], []

@@ -18,7 +18,7 @@ root, gcc (the delay line is built on first use) and iperf3.
 Target: 8 connections reach 0.95 of iperf3's goodput with 8 streams.
 
     python bench/transport_wan.py [--rate-mbit 1000] [--loss 1] [--rtt-ms 20] [--megabytes 256] [--rounds 5]
-                                  [--whole-frames]
+                                  [--whole-frames] [--io-threads N]
 """
 from __future__ import annotations
 
@@ -46,12 +46,12 @@ def stream(receiver, tx: KVTransport, peer: str, layer_bytes: int, transfer_id: 
 
 
 def measure(receiver, link, connections: int, layer_bytes: int, rounds: int, iperf3_s: int,
-            divisible: bool = True) -> tuple[float, float]:
+            divisible: bool = True, io_threads: int = TransportSettings().io_threads) -> tuple[float, float]:
     """Median goodput (transport, iperf3) over ``rounds`` alternating runs; the transport's
     connections are opened by a first, unmeasured transfer (workers keep theirs open to a peer), and
     a shorter one brings them back from idle before each measured one."""
     peer = f"{link.ns_addr}:{PORT}"
-    tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=connections))
+    tx = KVTransport(TransportSettings(secret=SECRET, connections_per_peer=connections, io_threads=io_threads))
     ours, theirs = [], []
     try:
         stream(receiver, tx, peer, layer_bytes, f"wan-{connections}-open")
@@ -78,18 +78,21 @@ def main() -> int:
     parser.add_argument("--buffer-ms", type=int, default=20, help="bottleneck queue in ms at the cap (default 20)")
     parser.add_argument("--whole-frames", action="store_true", help="send every frame whole, as the transport did "
                         "before a slow connection took frames in parts (for an old/new comparison)")
+    parser.add_argument("--io-threads", type=int, default=TransportSettings().io_threads,
+                        help=f"transport.io_threads of both ends (default {TransportSettings().io_threads})")
     args = parser.parse_args()
     require("iperf3", "iperf3")
     cap_gbps = args.rate_mbit / 1000
     layer_bytes = args.megabytes * (1 << 20) // NUM_LAYERS
     congestion_control = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     with wan_link(args.rate_mbit, args.loss, args.buffer_ms, args.rtt_ms) as link:
-        receiver, _ = start_receiver(SECRET, link.ns_addr, PORT, netns=link.ns)
+        receiver, _ = start_receiver(SECRET, link.ns_addr, PORT, netns=link.ns, io_threads=args.io_threads)
         try:
             print(f"link: {args.rate_mbit} Mbit/s cap, {args.rtt_ms:g} ms added round trip, {args.loss:g}% random "
                   f"loss, TCP {congestion_control}; {args.megabytes} MiB per transfer", file=sys.stderr)
             iperf3_s = max(2, round(args.megabytes * 8 * 1.048576 / args.rate_mbit))  # a transfer at the cap
-            results = {n: measure(receiver, link, n, layer_bytes, args.rounds, iperf3_s, not args.whole_frames)
+            results = {n: measure(receiver, link, n, layer_bytes, args.rounds, iperf3_s, not args.whole_frames,
+                                  args.io_threads)
                        for n in sorted({1, args.connections})}
         finally:
             receiver.kill()

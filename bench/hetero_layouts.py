@@ -2,20 +2,21 @@
 
 For each pairing of block sizes and tensor-parallel sizes, one request's KV (``--tokens`` tokens of
 the embedded model's shape: its layer count, KV heads, head size and dtype, in the cache layout of
-the CPU kernel vLLM picks on this host; two pairings put an amx engine beside a vec one) goes from the producer ranks' connector workers to the consumer ranks', through
-``KVTransport`` over loopback TCP with its checksums and authentication, as a prefill worker streams
-it: layer by layer, in prefill chunks of ``--chunk`` tokens. Each producer rank sends each consumer
-rank the KV heads it owns (SmolLM2's 3 KV heads: TP 1 <-> 3; at TP 6 each head is replicated on two
-consumer ranks, and the one that receives it passes it on to the other over loopback: those bytes are
-counted apart, as "passed on"), each consumer rank listening on its own port; the consumer re-blocks
-them into its own blocks, and every token's K and V of every head is
-checked against the producer's. The baseline is the KV itself: the bytes the consumer needs (tokens
-x layers x KV heads x K and V x head size x dtype). Wire bytes are everything the senders wrote:
-frame headers, the LAYOUT frames (fingerprint and layout spec), END, payload, including the padding
-of a partial last block (none when the token count is a multiple of every block size). Time is from
-the first layer handed to the transport to the last consumer rank's report of the finished receive,
-the median of ``--rounds``, after an unmeasured transfer that opens connections. The ranks of a side
-run one after another in this one process (in a deployment each is its own process).
+the CPU kernel vLLM picks on this host; two pairings put an amx engine beside a vec one) goes from
+the producer ranks' connector workers to the consumer ranks', through ``KVTransport`` over loopback
+TCP with its checksums and authentication, as a prefill worker streams it: layer by layer, in
+prefill chunks of ``--chunk`` tokens. Each producer rank sends each consumer rank the KV heads it
+owns (SmolLM2's 3 KV heads: TP 1 <-> 3; at TP 6 each head is replicated on two consumer ranks, and
+the one that receives it passes it on to the other over loopback: those bytes are counted apart, as
+"passed on"), each consumer rank listening on its own port; the consumer re-blocks them into its own
+blocks, and every token's K and V of every head is checked against the producer's. The baseline is
+the KV itself: the bytes the consumer needs (tokens x layers x KV heads x K and V x head size x
+dtype). Wire bytes are everything the senders wrote: frame headers, the LAYOUT frames (fingerprint
+and layout spec), END, payload, including the padding of a partial last block (none when the token
+count is a multiple of every block size). Time is from the first layer handed to the transport to
+the last consumer rank's report of the finished receive, the median of ``--rounds``, after an
+unmeasured transfer that opens connections. The ranks of a side run one after another in this one
+process (in a deployment each is its own process).
 
     python bench/hetero_layouts.py [--tokens 8192] [--chunk 2048] [--rounds 3]
 """
@@ -38,7 +39,8 @@ from services.kv_connector.layouts.apply import TORCH_DTYPES, attention_view, re
 from services.kv_connector.layouts.spec import DTYPE_BYTES
 from services.kv_connector.layouts.from_vllm import KERNEL_LAYOUTS, cpu_kernel_layout, spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_connector.consumer import ReceiveSettings
+from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_transport import KVTransport, TransportSettings
 
 # (prefill block size, decode block size, prefill TP, decode TP[, prefill kernel, decode kernel]): by
@@ -125,7 +127,7 @@ class Engine:
                                    cache_layout=self.cache_layout)
         settings = TransportSettings(secret=SECRET)
         self.worker = PrfaasConnectorWorker(lambda: KVTransport(settings, listen_port=listen_port),
-                                            idle_timeout_s=RECEIVE_TIMEOUT_S, max_early_bytes=1 << 32)
+                                            WorkerSettings(ReceiveSettings(RECEIVE_TIMEOUT_S, 1 << 32)))
         self.worker.register_kv_caches(KVLayout(config, caches, self.cache_layout), self.spec)
         self.block_ids = tuple(range(1, self.num_blocks))
 

@@ -2,8 +2,10 @@
 ``kv_connector_module_path="services.kv_connector.connector"``).
 
 A thin facade: the scheduler role delegates to ``PrfaasConnectorScheduler`` (engine-core process,
-no network), the worker role to ``PrfaasConnectorWorker`` (worker process, owns the transport).
-Settings come from ``kv_connector_extra_config`` (see ``settings.ConnectorSettings``).
+no network), the worker role to the worker core ``PrfaasConnectorWorker`` (worker process, owns the
+transport, the producer, the consumer and the pool half; imports no vLLM). This class only reads
+vLLM's configuration and translates its hooks into plain calls on those. Settings come from
+``kv_connector_extra_config`` (see ``settings.ConnectorSettings``).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
@@ -19,19 +22,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PrfaasConnectorMetadata
-from services.kv_connector.pool_scheduler import PoolPlanner
-from services.kv_connector.pool_worker import PoolWorker
+from services.kv_connector.pool.planner import PoolPlanner
+from services.kv_connector.pool.worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.settings import ConnectorSettings
-from services.kv_connector.snapshot import ConnectorSnapshot, PoolCounters
 from services.kv_connector.stats_file import StatsPublisher, rank_path
-from services.kv_connector.worker import IDLE_WAIT_S, PrfaasConnectorWorker
+from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_connector.layouts.spec import LayoutSpec
 from services.kv_connector.layouts.from_vllm import engine_cache_layout, spec_from_vllm, with_cache_layout
-from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import setup_package_logging
 
 logger = logging.getLogger(__name__)
+
+KVConnectorMetadata.register(PrfaasConnectorMetadata)  # a plain dataclass (metadata.py), vLLM's kind
 
 
 class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
@@ -43,20 +46,14 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         pool = self.settings.open_pool(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size,
                                        engine_cache_layout(kv_cache_config, vllm_config.cache_config.cache_dtype))
         self.pool_io = pool[0] if pool else None
-        self.scheduler = self.worker = self.pool_worker = None
+        self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
-            transport = self.settings.transport_settings
-            tp_rank = _tp_rank()
-            self.worker = PrfaasConnectorWorker(lambda: self.settings.open_streams(tp_rank),
-                                                transport.recv_idle_timeout_s,
-                                                self.settings.max_early_bytes, self.settings.layerwise,
-                                                transport.recv_first_frame_timeout_s,
-                                                self.settings.host_ring_bytes, self.settings.host_ring_slot_bytes,
-                                                self.settings.code_sends)
-            self.pool_worker = PoolWorker(*pool, rank=tp_rank) if pool else None
-            self._tp_rank = tp_rank
+            self._tp_rank = _tp_rank()
+            self.worker = PrfaasConnectorWorker(lambda: self.settings.open_streams(self._tp_rank),
+                                                self.settings.worker_settings,
+                                                PoolWorker(*pool, rank=self._tp_rank) if pool else None)
         self.publisher: StatsPublisher | None = None
 
     # Scheduler side (engine-core process) ------------------------------------------------------
@@ -93,16 +90,12 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                           engine_cache_layout(self._kv_cache_config, self._vllm_config.cache_config.cache_dtype))
         self.worker.register_kv_caches(layout, rank_spec(self._vllm_config, self._kv_cache_config, list(kv_caches),
                                                          layout.physical))
-        if self.pool_worker is not None:
-            self.pool_worker.register_kv_caches(layout, self.settings.host_ring_slot_bytes)
         if self.settings.stats_dir is not None:
-            self.publisher = StatsPublisher(rank_path(self.settings.stats_dir, self._tp_rank), self._snapshot)
+            self.publisher = StatsPublisher(rank_path(self.settings.stats_dir, self._tp_rank), self.worker.snapshot)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.worker.on_metadata(connector_metadata)
-        if self.pool_worker is not None:
-            self.pool_worker.on_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Loads are applied in ``get_transfer_results``, after the forward."""
@@ -115,19 +108,11 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()
-        if self.pool_worker is not None:
-            self.pool_worker.store()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = self.worker.get_transfer_results()
-        if self.pool_worker is None:
-            return KVConnectorTransferResults(finished_recving=results.finished_recving,
-                                              failed_recving=results.failed_recving)
-        if self.has_connector_metadata() and self._get_connector_metadata().idle:
-            self.pool_worker.wait_for_loads(IDLE_WAIT_S)
-        loaded, failed = self.pool_worker.finished_loads()
-        return KVConnectorTransferResults(finished_recving=results.finished_recving | loaded,
-                                          failed_recving=results.failed_recving | failed)
+        return KVConnectorTransferResults(finished_recving=results.finished_recving,
+                                          failed_recving=results.failed_recving)
 
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
@@ -141,18 +126,11 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         after its copies completed), so they alone would keep FULL graphs safe (docs/gpu.md)."""
         return True
 
-    def _snapshot(self) -> ConnectorSnapshot:
-        streams = self.worker.streams
-        return ConnectorSnapshot(streams.snapshot() if streams is not None else TransportSnapshot(),
-                                 self.pool_worker.counters() if self.pool_worker is not None else PoolCounters())
-
     def shutdown(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
         if self.worker is not None:
             self.worker.shutdown()
-        if self.pool_worker is not None:
-            self.pool_worker.close()
         if self.pool_io is not None:
             self.pool_io.close()
 

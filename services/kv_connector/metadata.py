@@ -1,12 +1,12 @@
 """What the connector's scheduler side tells its worker side each engine step.
 
-Everything crossing from the scheduler process to the worker process lives here.
+Everything crossing from the scheduler process to the worker process lives here, as plain types:
+the connector (``connector.py``) registers ``PrfaasConnectorMetadata`` as a virtual subclass of
+vLLM's ``KVConnectorMetadata``, so this module, and the worker core that reads it, import no vLLM.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of block ids per KV-cache group
 
@@ -81,7 +81,7 @@ class SendAbort:
 
 
 @dataclass
-class PrfaasConnectorMetadata(KVConnectorMetadata):
+class PrfaasConnectorMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     # Transfers the engine no longer waits for (aborted, or nothing left to load).

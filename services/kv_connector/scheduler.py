@@ -16,7 +16,7 @@ from typing import Any
 
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendAbort, SendSpec
 from services.kv_connector.params import KvTransfer
-from services.kv_connector.pool_scheduler import PoolPlanner
+from services.kv_connector.pool.planner import PoolPlanner
 from services.kv_connector.scheduled import scheduled_requests
 
 logger = logging.getLogger(__name__)

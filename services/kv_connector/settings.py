@@ -49,6 +49,19 @@ class ConnectorSettings:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @property
+    def worker_settings(self):
+        """The worker core's settings (``worker.WorkerSettings``) from these and the transport's."""
+        from services.kv_connector.consumer import ReceiveSettings
+        from services.kv_connector.producer import SendSettings
+        from services.kv_connector.worker import WorkerSettings
+
+        transport = self.transport_settings
+        return WorkerSettings(
+            ReceiveSettings(transport.recv_idle_timeout_s, self.max_early_bytes, transport.recv_first_frame_timeout_s),
+            SendSettings(self.layerwise, self.code_sends, min(transport.frame_bytes, transport.max_frame_bytes)),
+            self.host_ring_bytes, self.host_ring_slot_bytes)
+
+    @property
     def transport_settings(self):
         from services.kv_transport import TransportSettings
 
@@ -58,11 +71,11 @@ class ConnectorSettings:
         """The pool's I/O bridge and this engine's pool keys (one per TP rank; ``cache_layout``: the
         CPU kernel's, ``KVLayout``); None when no pool is configured or the model has KV-cache groups
         the pool cannot hold."""
-        from services.kv_connector.pool_io import PoolIO, PoolModel
+        from services.kv_connector.pool.io import PoolIO
 
         if not self.cache_pool_address:
             return None
-        model = PoolModel.of(self.cache_pool_model, kv_cache_config, tp_size, cache_layout)
+        model = pool_model(self.cache_pool_model, kv_cache_config, tp_size, cache_layout)
         if model is None:
             logger.warning("cache pool %s not used: the model has KV-cache groups it cannot hold",
                            self.cache_pool_address)
@@ -88,3 +101,30 @@ class ConnectorSettings:
         port = self.listen_port + tp_rank if self.listen_port is not None else None
         encoder = partial(encode, per_tensor=self.codec_scale_per_tensor) if self.code_sends else None
         return KVTransport(TransportSettings.of(self.transport), self.listen_host, port, encoder)
+
+
+def pool_model(model: str, kv_cache_config, tp_size: int = 1, cache_layout: str = ""):
+    """This engine's ``PoolModel`` from vLLM's ``KVCacheConfig``; None when a group is neither full
+    attention nor a recurrent state (e.g. sliding window), or the full-attention groups disagree on
+    the block size: the pool is then not used."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+
+    from services.cache_pool_client.types import GroupKind, KvCacheGroup, layout_key
+    from services.kv_connector.layouts.pages import spec_fingerprint
+    from services.kv_connector.pool.io import PoolModel
+
+    groups, block_sizes = [], set()
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if isinstance(spec, MambaSpec):
+            groups.append(KvCacheGroup(group_id, GroupKind.LINEAR_ATTENTION))
+        elif all(type(s) is FullAttentionSpec for s in specs):
+            groups.append(KvCacheGroup(group_id, GroupKind.FULL_ATTENTION))
+            block_sizes.add(spec.block_size)
+        else:
+            return None
+    if len(block_sizes) != 1:
+        return None
+    return PoolModel(layout_key(model, spec_fingerprint(kv_cache_config, cache_layout)), block_sizes.pop(),
+                     tuple(groups), tp_size)

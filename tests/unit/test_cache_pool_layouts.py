@@ -13,10 +13,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from services.cache_pool_client.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
 from services.cache_pool_client.types import Block, GroupKind, KvCacheGroup, LookupQuery, layout_key, model_name
+from services.kv_connector.device.streams import Device
 from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
-from services.kv_connector.pool_io import PoolIO, PoolModel
-from services.kv_connector.pool_worker import PoolWorker
+from services.kv_connector.pool.io import PoolIO
+from services.kv_connector.pool.worker import PoolWorker
+from services.kv_connector.settings import pool_model
 
 NUM_BLOCKS = 8
 BLOCK = 4
@@ -38,7 +40,7 @@ def _config(block_size: int = BLOCK, dtype: torch.dtype = torch.bfloat16, num_kv
     ({"layers": ("l1",)}, False),
 ])
 def test_the_pool_key_names_the_model_and_its_kv_layout(other, same):
-    ours, theirs = PoolModel.of("tiny", _config()), PoolModel.of("tiny", _config(**other))
+    ours, theirs = pool_model("tiny", _config()), pool_model("tiny", _config(**other))
     assert (ours.model == theirs.model) is same
     assert model_name(ours.model) == model_name(theirs.model) == "tiny"
 
@@ -47,8 +49,8 @@ def _worker(io, dtype: torch.dtype, seed: int) -> PoolWorker:
     config = _config(dtype=dtype)
     generator = torch.Generator().manual_seed(seed)
     caches = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 8, generator=generator).to(dtype) for name in ("l1", "l2")}
-    worker = PoolWorker(io, PoolModel.of("tiny", config))
-    worker.register_kv_caches(KVLayout(config, caches))
+    worker = PoolWorker(io, pool_model("tiny", config))
+    worker.register_kv_caches(KVLayout(config, caches), Device("cpu"))
     return worker
 
 

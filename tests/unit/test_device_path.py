@@ -149,7 +149,7 @@ def test_received_blocks_land_where_the_request_wants_them():
     source = torch.randn(8, 2, 4, 8)
     payload = memoryview(source[[1, 2, 3]].numpy().tobytes())
     cache = torch.zeros(16, 2, 4, 8)
-    loader = BlockLoader(CPU, HostRing(CPU, 1024, 2))
+    loader = BlockLoader(CPU, 1024)
     loader.write("r", cache, 0, payload, [0, 2], [10, 12])  # the middle block is not wanted
     assert torch.equal(cache[10], source[1]) and torch.equal(cache[12], source[3])
     assert cache[11].abs().sum() == 0
@@ -157,7 +157,7 @@ def test_received_blocks_land_where_the_request_wants_them():
 
 
 def test_a_request_is_received_only_once_all_its_copies_completed():
-    loader = BlockLoader(CPU, HostRing(CPU, 1024, 2))
+    loader = BlockLoader(CPU, 1024)
     copies = [PendingEvent(), PendingEvent()]
     loader._pending["r"] = [(copies[0], None), (copies[1], None)]  # two copies in flight on the side stream
     assert loader.poll() == set() and loader.busy("r")
@@ -182,7 +182,7 @@ def test_a_leased_frame_gives_its_slot_back_once_nothing_references_it():
 
 
 def test_the_transport_reads_frames_into_the_loaders_memory():
-    loader = BlockLoader(CPU, HostRing(CPU, 1024, 2), HostRing(CPU, 256, 2))
+    loader = BlockLoader(CPU, 1024, HostRing(CPU, 256, 2))
     pinned, too_big = loader.allocate(200), loader.allocate(300)
     assert loader.receive_ring.holds(torch.frombuffer(pinned, dtype=torch.uint8).data_ptr())
     assert not loader.receive_ring.holds(torch.frombuffer(too_big, dtype=torch.uint8).data_ptr())
@@ -192,7 +192,7 @@ def test_frames_received_into_the_ring_are_copied_in_by_layer_in_batches():
     layers = [torch.randn(16, 2, 4, 8) for _ in range(2)]
     targets = [torch.zeros_like(layer) for layer in layers]
     block_bytes = layers[0][0].numel() * 4
-    loader = BlockLoader(CPU, HostRing(CPU, 3 * block_bytes, 2), HostRing(CPU, 2 * block_bytes, 8))
+    loader = BlockLoader(CPU, 3 * block_bytes, HostRing(CPU, 2 * block_bytes, 8))
     frames = []
     for first in range(0, 8, 2):  # two blocks a frame, layers interleaved as connections deliver them
         for layer, source in enumerate(layers):

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import torch
 
+from services.kv_connector.consumer import ReceiveSettings
 from services.kv_connector.device.producer import LayerSaver
 from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_transport import Frame, TransferDone, protocol
 
 BLOCKS, HEADS, TOKENS, HEAD = 64, 2, 16, 8
@@ -57,8 +58,8 @@ def _worker(fill: bool, slot_bytes: int) -> PrfaasConnectorWorker:
     caches = {name: (torch.randn(BLOCKS, HEADS, TOKENS, 2 * HEAD) if fill else torch.zeros(BLOCKS, HEADS, TOKENS,
                                                                                            2 * HEAD)).bfloat16()
               for name in ("a", "b")}
-    worker = PrfaasConnectorWorker(_Wire, idle_timeout_s=10.0, max_early_bytes=1 << 24, host_ring_bytes=4 * slot_bytes,
-                                   host_ring_slot_bytes=slot_bytes)
+    worker = PrfaasConnectorWorker(_Wire, WorkerSettings(ReceiveSettings(10.0, 1 << 24), host_ring_bytes=4 * slot_bytes,
+                                                         host_ring_slot_bytes=slot_bytes))
     worker.register_kv_caches(KVLayout(config, caches))
     return worker
 
@@ -66,7 +67,8 @@ def _worker(fill: bool, slot_bytes: int) -> PrfaasConnectorWorker:
 def test_a_layer_split_over_ring_slots_arrives_whole_and_before_the_end():
     block_bytes = HEADS * TOKENS * 2 * HEAD * 2
     producer, consumer = _worker(True, 3 * block_bytes), _worker(False, 3 * block_bytes)
-    producer._saver = LayerSaver(producer._saver.device, producer._saver.ring, threaded=True)  # the CUDA threading
+    producer.producer.saver = LayerSaver(producer.producer.saver.device, producer.producer.saver.ring,
+                                         threaded=True)  # the CUDA threading
     src, dst = random.Random(1).sample(range(1, BLOCKS), 19), random.Random(2).sample(range(1, BLOCKS), 19)
     producer.on_metadata(PrfaasConnectorMetadata(sends=[SendSpec("r", "t", "peer", (tuple(src),), 0, NUM_TOKENS,
                                                                  NUM_TOKENS)]))
@@ -83,7 +85,7 @@ def test_a_layer_split_over_ring_slots_arrives_whole_and_before_the_end():
     assert consumer.get_transfer_results().finished_recving == {"r"}
     for name in ("a", "b"):
         assert torch.equal(consumer.layout.caches[name][dst], producer.layout.caches[name][src])
-    assert producer._saver.ring.num_free == 4
+    assert producer.producer.saver.ring.num_free == 4
     producer.shutdown()
     consumer.shutdown()
 
@@ -98,8 +100,8 @@ def test_a_send_aborted_mid_prompt_ends_on_the_wire_after_its_queued_copies():
 
     block_bytes = HEADS * TOKENS * 2 * HEAD * 2
     producer = _worker(True, 3 * block_bytes)
-    producer.streams = _AbortingWire()
-    producer._saver = LayerSaver(producer._saver.device, producer._saver.ring, threaded=True)
+    producer.producer.streams = producer.streams = _AbortingWire()
+    producer.producer.saver = LayerSaver(producer.producer.saver.device, producer.producer.saver.ring, threaded=True)
     blocks = (tuple(range(1, 20)),)
     producer.on_metadata(PrfaasConnectorMetadata(sends=[SendSpec("r", "t", "peer", blocks, 0, 128, NUM_TOKENS)]))
     for layer in ("a", "b"):

@@ -18,14 +18,16 @@ from services.cache_pool_client.hashing import prompt_block_hashes
 from services.cache_pool.pool import CachePool
 from services.cache_pool.slots import Arena
 from services.cache_pool_client.types import Block, BlockMissingError, GroupKind, KvCacheGroup, LookupResult, Pieces
+from services.kv_connector.device.streams import Device
 from services.kv_connector.layouts.pages import KVLayout, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.params import consume
-from services.kv_connector.pool_io import PoolIO, PoolModel
-from services.kv_connector.pool_scheduler import PoolPlanner
-from services.kv_connector.pool_worker import PoolWorker
+from services.kv_connector.pool.io import PoolIO, PoolModel
+from services.kv_connector.pool.planner import PoolPlanner
+from services.kv_connector.pool.worker import PoolWorker
 from services.kv_connector.scheduler import PrfaasConnectorScheduler
 from services.kv_connector.snapshot import PoolCounters
+from support.sync_recorder import mark_caches, recording_syncs
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -225,9 +227,9 @@ def _layout(fill: bool, state_block_size: int = 64) -> KVLayout:
     return KVLayout(config, caches)
 
 
-def _worker(io, fill: bool, state_block_size: int = 64) -> PoolWorker:
+def _worker(io, fill: bool, state_block_size: int = 64, device: Device | None = None) -> PoolWorker:
     worker = PoolWorker(io, HYBRID)
-    worker.register_kv_caches(_layout(fill, state_block_size))
+    worker.register_kv_caches(_layout(fill, state_block_size), device or Device("cpu"))
     return worker
 
 
@@ -372,10 +374,40 @@ def test_blocks_go_through_the_pools_arena_straight_from_and_into_the_kv_tensors
         io.close()
 
 
+def test_pool_stores_and_loads_never_synchronize_the_engine_thread(pool_server, tmp_path):
+    """The CUDA store and load paths on a CPU stand-in that records what would make the engine thread
+    wait for the GPU (tests/support/sync_recorder.py): the gathers and copies in are only enqueued,
+    the arena is pinned on the pool's I/O thread, and the stored blocks load back exactly."""
+    arena = Arena.create(str(tmp_path), "pool-local", 4 << 20)
+    pool = CachePool(4 << 20, arena=arena)
+    io = PoolIO(f"127.0.0.1:{pool_server(pool, name='pool-local').port}", lookup_timeout_s=2.0)
+    try:
+        with recording_syncs() as (device_of, recorder):
+            source, target = _worker(io, fill=True, device=device_of("cuda")), \
+                _worker(io, fill=False, device=device_of("cuda"))
+            for worker in (source, target):
+                mark_caches(recorder, worker.layout.caches.values())
+            hashes = tuple(prompt_block_hashes(list(range(3 * BLOCK)), BLOCK))
+            source.on_metadata(PrfaasConnectorMetadata(pool_stores=[PoolStoreSpec(
+                "a", ((5,), (1, 2, 3)), tuple(enumerate(hashes)), hashes[2], 3 * BLOCK)]))
+            source.store()
+            _wait(lambda: source.counters().tokens_stored == 3 * BLOCK)
+            target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((0, 11), (4, 8, 9, 10)),
+                                                                                hashes, 1)]))
+            target.wait_for_loads(5.0)
+            assert target.finished_loads() == ({"b"}, set())
+            calls = list(recorder.calls)
+        assert calls == [], "\n".join(calls)
+        assert target._arena is not None and target._arena.address == io._client._arena.address
+        _assert_loaded(source, target)
+    finally:
+        io.close()
+
+
 def test_pieces_of_device_memory_go_straight_into_the_arena(pool_server, tmp_path):
     """The CUDA store path on the CPU stand-in: each block's pieces copy themselves into the arena's
     slots after their gather's event (``DevicePiece``), with no bytes joined on the way."""
-    from services.kv_connector.device.pool_copies import DevicePiece, PinnedRegion
+    from services.kv_connector.pool.copies import DevicePiece, PinnedRegion
     from services.kv_connector.device.streams import CpuEvent, Device
 
     device = Device("cpu")
@@ -422,19 +454,24 @@ def test_a_load_is_reported_only_once_its_copies_completed(io):
         assert target.counters().tokens_loaded == 2 * BLOCK and not fences
 
 
-def test_a_block_evicted_while_being_copied_fails_the_load(io):
-    class Evicted:
-        def __init__(self, data: bytes) -> None:
-            self.data = data
+def test_a_block_evicted_while_being_copied_fails_the_load(io, tmp_path):
+    """Blocks that come as views of the pool's arena are checked after their copies: a slot freed
+    (and bumped) meanwhile fails the load."""
+    import numpy as np
 
-        def __len__(self) -> int:
-            return len(self.data)
+    from services.cache_pool_client.arena import ArenaBlock, ArenaLayout, ArenaMapping
+    from services.cache_pool_client.arena_client import ArenaView
 
-        def view(self, start: int, stop: int):
-            return memoryview(self.data)[start:stop]
+    mapping = ArenaMapping.create(str(tmp_path / "arena"), 1 << 20)
+    layout = ArenaLayout.of(mapping.token, mapping.size, 4096)
+    next_slot = iter(range(layout.num_slots))
 
-        def intact(self) -> bool:
-            return False
+    def evicted(data: bytes) -> ArenaView:
+        slots = tuple(next(next_slot) for _ in range(layout.slots_for(len(data))))
+        block = ArenaBlock(slots, tuple(mapping.generation(s) for s in slots), len(data), layout.slot_bytes)
+        mapping.write(layout, block, [np.frombuffer(data, np.uint8)])
+        mapping.bump(slots)  # freed and reused after the Get answered
+        return ArenaView(mapping, layout, block)
 
     source, target = _worker(io, fill=True), _worker(io, fill=False)
     hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
@@ -442,7 +479,7 @@ def test_a_block_evicted_while_being_copied_fails_the_load(io):
         "a", ((5,), (1, 2)), tuple(enumerate(hashes)), hashes[1], 2 * BLOCK)]))
     source.store()
     stored = io.start_get
-    io.start_get = lambda model, refs: _done([Block(b.group_id, b.block_hash, Evicted(b.data))
+    io.start_get = lambda model, refs: _done([Block(b.group_id, b.block_hash, evicted(bytes(b.data)))
                                               for b in stored(model, refs).result()])
     target.on_metadata(PrfaasConnectorMetadata(pool_loads=[PoolLoadSpec("b", ((3,), (4, 5)), hashes, 0)]))
     assert target.finished_loads() == ({"b"}, {"b"})

@@ -19,7 +19,8 @@ from services.kv_connector.layouts.apply import (attention_view, conv_state_view
 from services.kv_connector.layouts.spec import CPU_K_TRANSPOSED
 from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_connector.consumer import ReceiveSettings
+from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_transport import Frame, TransferDone, protocol
 from support.wire import parts_on_the_wire
 
@@ -77,7 +78,7 @@ def _engine(block_size: int, page_bytes: int, fill: bool, cache_layout: str = CP
 
 
 def _worker(block_size: int, page_bytes: int, fill: bool, cache_layout: str = CPU_K_TRANSPOSED, announce: bool = True):
-    worker = PrfaasConnectorWorker(_Wire, idle_timeout_s=10.0, max_early_bytes=1 << 24)
+    worker = PrfaasConnectorWorker(_Wire, WorkerSettings(ReceiveSettings(10.0, 1 << 24)))
     layout, spec = _engine(block_size, page_bytes, fill, cache_layout)
     worker.register_kv_caches(layout, spec if announce else None)
     return worker
@@ -107,7 +108,7 @@ def _receive(consumer, frames: list, dst_blocks: list[int], first_token: int = 0
 
 def _tokens(worker, blocks: list[int], block_size: int) -> torch.Tensor:
     """K and V of every token of the request, [tokens, heads, 2, head_size]."""
-    spec = worker._plans._spec.layers[1]
+    spec = worker.consumer.plans._spec.layers[1]
     view = attention_view(worker.layout.caches["l1"], spec, block_size)
     k, v = token_view(view, 0), token_view(view, 1)
     return torch.stack([torch.stack([k[blocks[t // block_size], :, t % block_size],
@@ -115,7 +116,7 @@ def _tokens(worker, blocks: list[int], block_size: int) -> torch.Tensor:
 
 
 def _state(worker, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = worker._plans._spec.layers[0]
+    spec = worker.consumer.plans._spec.layers[0]
     page = state_page(worker.layout.caches["l0"], block)
     return conv_state_view(page, spec), temporal_state_view(page, spec)
 
@@ -150,7 +151,7 @@ def test_identical_layouts_copy_pages_as_they_are():
     src_blocks, dst_blocks = _blocks(NUM_TOKENS, 32, 1), _blocks(NUM_TOKENS, 32, 2)
     results = _receive(consumer, _stream(producer, src_blocks, [(0, NUM_TOKENS)]), dst_blocks)
     assert results.finished_recving == {"r"} and results.failed_recving == set()
-    assert consumer._plans.plan(bytes(producer.streams.frames[0].payload)) is None
+    assert consumer.consumer.plans.plan(bytes(producer.streams.frames[0].payload)) is None
     assert torch.equal(_tokens(consumer, dst_blocks, 32), _tokens(producer, src_blocks, 32))
 
 

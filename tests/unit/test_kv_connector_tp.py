@@ -9,6 +9,7 @@ real engines are covered by tests/e2e/test_hetero_tp.py.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +21,13 @@ from services.kv_connector.layouts.apply import (attention_view, conv_state_view
 from services.kv_connector.layouts.spec import CPU_AMX, CPU_K_TRANSPOSED, TOKEN_ROWS
 from services.kv_connector.layouts.from_vllm import spec_from_vllm
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
-from services.kv_connector.worker import PrfaasConnectorWorker
+from services.kv_connector.consumer import ReceiveSettings
+from services.kv_connector.producer import SendSettings
+from services.kv_connector.device.streams import Device
+from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_connector.codecs import encode
 from services.kv_transport import Frame, TransferDone, TransferFailed, codecs, protocol
+from support.sync_recorder import mark_caches, recording_syncs
 from support.wire import parts_on_the_wire
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
@@ -39,6 +44,10 @@ class _Wire:
         self.sent: list[tuple[str, object]] = []
         self.pending: list = []
         self.listen_host, self.port = "127.0.0.1", port
+        self.allocate = None  # on CUDA: where frames are read into (the loader's receive ring, or not)
+
+    def receive_into(self, allocate) -> None:
+        self.allocate = allocate
 
     def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
         self.sent.append((peer, Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT)))
@@ -61,7 +70,15 @@ class _Wire:
 
     def poll(self, wait_s: float) -> list:
         events, self.pending = self.pending, []
-        return events
+        return [self._received(event) for event in events]
+
+    def _received(self, event):
+        """A data frame read into the memory ``allocate`` gives, as the transport reads it."""
+        if self.allocate is None or not isinstance(event, Frame) or event.kind != protocol.DATA:
+            return event
+        memory = self.allocate(len(event.payload))
+        memory[:] = event.payload
+        return replace(event, payload=memory)
 
     def forget(self, transfer_id: str) -> None:
         pass
@@ -72,12 +89,16 @@ class _Wire:
     def snapshot(self) -> str:
         return "telemetry"
 
+    def close(self) -> None:
+        pass
+
 
 CACHE_LAYOUTS = {"cpu": CPU_K_TRANSPOSED, "amx": CPU_AMX, "LBNHC": TOKEN_ROWS, "LBHNC": TOKEN_ROWS}
 
 
 def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int = HEADS,
-          code_sends: bool = False, layout: str = "cpu", head_size: int = HEAD_SIZE) -> PrfaasConnectorWorker:
+          code_sends: bool = False, layout: str = "cpu", head_size: int = HEAD_SIZE,
+          device_of=Device) -> PrfaasConnectorWorker:
     """One rank of a tiny hybrid engine (a Gated-DeltaNet layer, group 0, and a full-attention layer
     of ``kv_heads`` KV heads, group 1) at ``tp_size``, caches random (``fill``) or zero, the attention
     cache in the layout of vLLM's CPU vec kernels (``layout`` "cpu") or its amx kernel ("amx"; its
@@ -103,8 +124,10 @@ def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int
               "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
     kernel = CACHE_LAYOUTS[layout] if layout in ("cpu", "amx") else ""
     spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads, cache_layout=CACHE_LAYOUTS[layout])
-    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank), idle_timeout_s=10.0, max_early_bytes=1 << 24,
-                                   code_sends=code_sends)
+    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank),
+                                   WorkerSettings(ReceiveSettings(10.0, 1 << 24), SendSettings(code_sends=code_sends),
+                                                  host_ring_bytes=1 << 20, host_ring_slot_bytes=64 << 10),
+                                   device_of=device_of)
     worker.register_kv_caches(KVLayout(config, caches, kernel), spec)
     return worker
 
@@ -136,7 +159,7 @@ def _deliver(producers, consumers, blocks: list[int], shuffle_seed: int = 0):
     senders, delivered = list(producers) + list(consumers), {}
     for round_ in range(4):
         for consumer in consumers:
-            consumer.forwarder.wait_idle()  # what a rank passed on in the last round is on its way
+            consumer.consumer.forwarder.wait_idle()  # what a rank passed on in the last round is on its way
         for rank, consumer in enumerate(consumers):
             address = f"127.0.0.1:{7000 + rank}"
             events = [event for sender in senders for i, (peer, event) in enumerate(sender.streams.sent)
@@ -157,7 +180,7 @@ def _deliver(producers, consumers, blocks: list[int], shuffle_seed: int = 0):
 
 def _heads(worker, blocks: list[int], block_size: int) -> torch.Tensor:
     """K and V of every token on this rank, [tokens, local heads, 2, head_size]."""
-    spec = worker._plans._spec
+    spec = worker.consumer.plans._spec
     view = attention_view(worker.layout.caches["l1"], spec.layers[1], block_size, spec.cache_layout)
     k, v = read_tokens(view, 0, spec.cache_layout), read_tokens(view, 1, spec.cache_layout)
     return torch.stack([torch.stack([k[blocks[t // block_size], :, t % block_size],
@@ -166,7 +189,7 @@ def _heads(worker, blocks: list[int], block_size: int) -> torch.Tensor:
 
 def _state(worker, block: int) -> dict[str, torch.Tensor]:
     """This rank's share of each conv component ([state_len, channels]) and of the temporal state."""
-    spec = worker._plans._spec.layers[0]
+    spec = worker.consumer.plans._spec.layers[0]
     page = state_page(worker.layout.caches["l0"], block)
     conv = conv_state_view(page, spec)
     parts = {part.name: conv[:, spec.conv_offsets[part.name]:spec.conv_offsets[part.name] + part.local_size]
@@ -219,7 +242,7 @@ def test_gpu_backend_layouts_slice_and_re_block_the_same_way(src_tp, dst_tp, src
     strided view (``TOKEN_ROWS``), and every rank still gets exactly its heads."""
     test_each_consumer_rank_gets_exactly_the_heads_it_owns(src_tp, dst_tp, src_block, dst_block, layout)
     rank = _rank(1, 0, 32, fill=True, layout=layout)
-    assert rank.layout.physical["l1"].name == layout and rank._plans._spec.cache_layout == TOKEN_ROWS
+    assert rank.layout.physical["l1"].name == layout and rank.consumer.plans._spec.cache_layout == TOKEN_ROWS
 
 
 @pytest.mark.parametrize("src_layout, dst_layout", [("amx", "amx"), ("amx", "cpu"), ("cpu", "amx"), ("amx", "LBNHC")])
@@ -241,12 +264,13 @@ def test_a_contiguous_slice_of_the_conv_state_is_not_what_a_rank_receives():
     """The test above can fail: at TP 1 -> 2 the first half of the whole conv dim is not rank 0's share."""
     producer = _rank(1, 0, 32, fill=True)
     blocks = _blocks(32, 1)
-    conv = conv_state_view(state_page(producer.layout.caches["l0"], blocks[-1]), producer._plans._spec.layers[0])
+    conv = conv_state_view(state_page(producer.layout.caches["l0"], blocks[-1]),
+                           producer.consumer.plans._spec.layers[0])
     consumers = [_rank(2, r, 32, fill=False) for r in range(2)]
     _prefill([producer], blocks, 2)
     _deliver([producer], consumers, blocks)
     received = conv_state_view(state_page(consumers[0].layout.caches["l0"], blocks[-1]),
-                               consumers[0]._plans._spec.layers[0])
+                               consumers[0].consumer.plans._spec.layers[0])
     assert not torch.equal(received, conv[:, :conv.shape[1] // 2])
 
 
@@ -285,12 +309,12 @@ def test_the_transfer_completes_only_when_every_producer_rank_has_finished():
 def test_routes_address_each_consumer_rank_at_its_port_and_name_each_producer_rank():
     from services.kv_connector.layouts.tp_routes import plan_routes, rank_peer, transfer_of, wire_id
 
-    producer = _rank(2, 1, 32, fill=False)._spec
+    producer = _rank(2, 1, 32, fill=False).producer._spec
     routes, problem = plan_routes(producer, 1)
     assert problem is None and [route.dst_rank for route in routes] == [0]
     assert rank_peer("10.0.0.1:7000", 0) == "10.0.0.1:7000" and rank_peer("10.0.0.1:7000", 3) == "10.0.0.1:7003"
     assert wire_id("cmpl-1", producer) == "cmpl-1#p1" and transfer_of("cmpl-1#p1") == "cmpl-1"
-    assert wire_id("cmpl-1", _rank(1, 0, 32, fill=False)._spec) == "cmpl-1"
+    assert wire_id("cmpl-1", _rank(1, 0, 32, fill=False).producer._spec) == "cmpl-1"
 
 
 def test_replicated_heads_cross_the_link_once():
@@ -367,7 +391,7 @@ def test_a_rank_passing_kv_on_does_not_wait_for_its_siblings_in_its_step():
     assert consumers[1].get_transfer_results().finished_recving == {"r"}  # its own share is in
     assert wire.sent == []
     room.set()
-    consumers[1].forwarder.wait_idle()
+    consumers[1].consumer.forwarder.wait_idle()
     passed_on = [event for peer, event in wire.sent if peer == "127.0.0.1:7000"]
     assert passed_on[0].is_layout and isinstance(passed_on[-1], TransferDone)
     assert len(passed_on) > 2 and {event.transfer_id for event in passed_on} == {"t#f1"}
@@ -386,7 +410,46 @@ def test_a_transfer_that_fails_on_the_receiving_rank_fails_on_its_replicas_at_on
     frames[last_data] = Frame(bad.transfer_id, bad.layer, bad.group, bad.block_start, bad.num_blocks,
                               memoryview(bytes(len(bad.payload) - 2)))  # a frame of the wrong size
     assert consumers[1].get_transfer_results().failed_recving == {"r"}
-    consumers[1].forwarder.wait_idle()
+    consumers[1].consumer.forwarder.wait_idle()
     consumers[0].streams.pending = [event for peer, event in consumers[1].streams.sent if peer == "127.0.0.1:7000"]
     assert isinstance(consumers[0].streams.pending[-1], TransferFailed)
     assert consumers[0].get_transfer_results().failed_recving == {"r"}
+
+
+@pytest.mark.parametrize("src_tp, dst_tp, src_block, dst_block, layout, codec", [
+    (1, 1, 32, 32, "LBNHC", codecs.NONE),   # same TP: whole pages, the loader's batches
+    (1, 1, 32, 32, "LBHNC", codecs.FP8),    # coded frames, decoded into ordinary memory
+    (1, 2, 32, 32, "LBNHC", codecs.NONE),   # sliced sends, sliced receives
+    (2, 1, 32, 32, "LBHNC", codecs.INT8),
+    (1, 1, 16, 32, "LBNHC", codecs.NONE),   # re-blocked receives
+    (2, 2, 16, 32, "cpu", codecs.FP8),
+])
+def test_no_engine_thread_call_of_the_core_synchronizes_the_gpu(src_tp, dst_tp, src_block, dst_block, layout, codec,
+                                                                monkeypatch):
+    """Every send and receive path driven through its CUDA branches on a CPU stand-in that records
+    what would make the engine thread wait for the GPU (tests/support/sync_recorder.py); the KV must
+    still arrive exactly (within the codec's rounding)."""
+    monkeypatch.setattr(_Wire, "codec", codec)
+    with recording_syncs() as (device_of, recorder):
+        producers = [_rank(src_tp, r, src_block, fill=True, layout=layout, device_of=device_of, code_sends=True)
+                     for r in range(src_tp)]
+        consumers = [_rank(dst_tp, r, dst_block, fill=False, layout=layout, device_of=device_of)
+                     for r in range(dst_tp)]
+        for rank in producers + consumers:
+            mark_caches(recorder, rank.layout.caches.values())
+        src_blocks, dst_blocks = _blocks(src_block, 1), _blocks(dst_block, 2)
+        _prefill(producers, src_blocks, dst_tp)
+        for producer in producers:
+            producer.flush()  # the sender threads hand every copy on (off the engine thread)
+        results = _deliver(producers, consumers, dst_blocks)
+        calls = list(recorder.calls)
+    assert all(r.finished_recving == {"r"} and r.failed_recving == set() for r in results), results
+    assert calls == [], "\n".join(calls)
+    sent = _distinct([_heads(p, src_blocks, src_block) for p in producers], dim=1, units=HEADS)
+    got = _distinct([_heads(c, dst_blocks, dst_block) for c in consumers], dim=1, units=HEADS)
+    if codec == codecs.NONE:
+        assert torch.equal(got, sent)
+    else:
+        assert torch.allclose(got.float(), sent.float(), rtol=0.15, atol=0.1)
+    for rank in producers + consumers:
+        rank.shutdown()

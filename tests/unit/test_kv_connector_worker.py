@@ -1,4 +1,4 @@
-"""The consumer side of the connector's worker: what it reports to vLLM about each receive.
+"""The consumer half of the connector's worker core: what it reports to vLLM about each receive.
 
 The transport is replaced by a queue of events (this tests the worker layer alone); the real
 transport and engines are covered by tests/e2e/test_kv_data_plane.py.
@@ -9,10 +9,12 @@ import types
 
 import pytest
 
-from services.kv_connector import worker as worker_module
+from services.kv_connector import consumer as consumer_module
+from services.kv_connector.consumer import Consumer, ReceiveSettings
+from services.kv_connector.device.consumer import BlockLoader
+from services.kv_connector.device.streams import Device
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec
 from services.kv_connector.layouts.reblock import ReblockPlans
-from services.kv_connector.worker import PrfaasConnectorWorker
 from services.kv_transport import Frame, TransferDone, TransferFailed, protocol
 
 
@@ -33,11 +35,9 @@ class _Events:
 
 @pytest.fixture
 def worker():
-    worker = PrfaasConnectorWorker(_Events, idle_timeout_s=10.0, max_early_bytes=1 << 20, first_frame_timeout_s=60.0)
-    worker.streams = _Events()
-    worker.layout = types.SimpleNamespace(fingerprint="layout")
-    worker._plans = ReblockPlans(worker.layout, None)
-    return worker
+    layout = types.SimpleNamespace(fingerprint="layout")
+    return Consumer(_Events(), layout, ReblockPlans(layout, None), BlockLoader(Device("cpu"), 1 << 10),
+                    ReceiveSettings(10.0, 1 << 20, first_frame_timeout_s=60.0))
 
 
 def _frame(transfer_id: str) -> Frame:
@@ -85,7 +85,7 @@ def test_allocated_and_aborted_in_one_step(worker):
 
 def test_kv_for_a_request_not_admitted_yet_waits_longer_than_the_idle_timeout(worker, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: clock[0])
     worker.streams.pending.append(TransferDone("t1"))  # arrives before the engine allocated blocks
     worker.get_transfer_results()
     clock[0] += 60.0  # the request queues behind running ones
@@ -94,14 +94,14 @@ def test_kv_for_a_request_not_admitted_yet_waits_longer_than_the_idle_timeout(wo
     assert worker.get_transfer_results().finished_recving == {"r1"}
     worker.streams.pending.append(TransferDone("t2"))
     worker.get_transfer_results()
-    clock[0] += worker_module.STAGED_TIMEOUT_S + 1
+    clock[0] += consumer_module.STAGED_TIMEOUT_S + 1
     worker.get_transfer_results()
     assert worker.streams.forgotten == ["t2"]  # no request ever claimed it
 
 
 def test_a_receive_that_stalls_fails_after_the_idle_timeout(worker, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: clock[0])
     worker.on_metadata(PrfaasConnectorMetadata(recvs=[_recv("r1", "t1")]))
     worker.streams.pending.append(TransferFailed("other", "x"))  # unrelated: t1 has seen nothing yet
     clock[0] += 11.0  # its prefill waits in the prefill engine's queue: not a stall
@@ -116,7 +116,7 @@ def test_a_receive_that_stalls_fails_after_the_idle_timeout(worker, monkeypatch)
 
 def test_a_receive_whose_first_kv_never_comes_fails_after_the_first_frame_timeout(worker, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: clock[0])
     worker.on_metadata(PrfaasConnectorMetadata(recvs=[_recv("r1", "t1")]))
     clock[0] += 59.0
     assert worker.get_transfer_results().failed_recving == set()

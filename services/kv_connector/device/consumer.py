@@ -1,14 +1,15 @@
-"""The consumer half: copies received blocks into the paged cache without the engine thread waiting
-for the GPU.
+"""The consumer half: copies received blocks into the paged cache without the engine thread waiting for
+the GPU.
 
 ``write`` runs on the engine thread between forwards. On CUDA the transport reads frames straight
-into pinned slots of a receive ring (``allocate``); a frame that found no slot is first copied into
-a slot of the loader's own ring. On the side stream, after everything enqueued so far on the
-compute stream (the zeroing of new blocks, reads of reused ones), a ``non_blocking`` copy moves the
-bytes into a GPU staging buffer and ``index_copy_`` puts them in their blocks; a done event closes
-each copy. A request counts as received only once all its copies' events completed (``poll``,
-which never blocks). On CPU the blocks are written in place at once, exactly as
-``KVLayout.write_some`` writes them.
+into pinned slots of a receive ring (``allocate``); a frame that found no slot (or lies in ordinary
+memory: decoded, an inline pool block) is staged through PyTorch's pinned allocator, which keeps it
+until its copy completed, so the engine thread never waits for a slot. On the side stream, after
+everything enqueued so far on the compute stream (the zeroing of new blocks, reads of reused ones),
+a ``non_blocking`` copy moves the bytes into a GPU staging buffer and ``index_copy_`` puts them in
+their blocks; a done event closes each copy. A request counts as received only once all its copies'
+events completed (``poll``, which never blocks). On CPU the blocks are written in place at once,
+exactly as ``KVLayout.write_some`` writes them.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ COPY, WRITE = 1, 2  # the loader's side streams (host-to-device copies, writes i
 
 
 class BlockLoader:
-    def __init__(self, device: Device, ring: HostRing, receive_ring: HostRing | None = None) -> None:
+    def __init__(self, device: Device, slot_bytes: int, receive_ring: HostRing | None = None) -> None:
+        """``slot_bytes``: the most bytes one batch (and each of the two GPU staging buffers) holds."""
         self.device = device
-        self.ring = ring
+        self.slot_bytes = slot_bytes
         self.receive_ring = receive_ring
-        self.pinned: list = []  # other pinned host memory frames may lie in (``pool_copies.PinnedRegion``)
+        self.pinned: list = []  # other pinned host memory frames may lie in (``pool.copies.PinnedRegion``)
         self._staging: list[torch.Tensor] = []  # two on the device: a batch's copy in, the last one's write
         self._staging_free: list[Any] = [None, None]  # when the write that read each one completed
         self._turn = 0
@@ -49,7 +51,7 @@ class BlockLoader:
         """Copy blocks ``keep`` of ``payload`` (blocks along ``block_dim``, as the producer gathered
         them) into ``block_ids`` (one per kept block) of ``cache``, for the request ``key``."""
         source = _source(cache, block_dim, payload)
-        if self._is_pinned(source) and _run_of(keep, block_dim) and len(payload) <= self.ring.slot_bytes:
+        if self._is_pinned(source) and _run_of(keep, block_dim) and len(payload) <= self.slot_bytes:
             self._add(key, cache, source.narrow(0, keep[0], len(keep)), block_ids, payload)
             return
         if not self.device.is_cuda:
@@ -58,7 +60,7 @@ class BlockLoader:
             cache.index_copy_(block_dim, torch.tensor(block_ids, dtype=torch.long), source)
             return
         self.flush()
-        per_slot = max(1, self.ring.slot_bytes // _block_bytes(cache, block_dim))
+        per_slot = max(1, self.slot_bytes // _block_bytes(cache, block_dim))
         for first in range(0, len(keep), per_slot):
             self._load(key, cache, block_dim, source, keep[first:first + per_slot], block_ids[first:first + per_slot])
 
@@ -103,8 +105,6 @@ class BlockLoader:
         del self._batches[id(batch.cache)]
         compute, copy, write = self.device.current_stream(), self.device.side_stream(COPY), \
             self.device.side_stream(WRITE)
-        index = torch.tensor(batch.block_ids, dtype=torch.long)
-        index = index.pin_memory() if self.device.is_cuda else index
         turn, self._turn = self._turn, 1 - self._turn
         with self.device.use(copy):
             copy.wait_stream(compute)  # the zeroing of new blocks, reads of reused ones
@@ -116,7 +116,7 @@ class BlockLoader:
                 target = staging[offset:offset + num_bytes].view(source.dtype).view(source.shape)
                 target.copy_(source, non_blocking=True)
                 offset += num_bytes
-            on_device_index = index.to(self.device.device, non_blocking=True)
+            on_device_index = self.device.index(batch.block_ids)
             copied = self.device.event()
             copied.record(copy)
         with self.device.use(write):
@@ -128,7 +128,7 @@ class BlockLoader:
             done.record(write)
         self._staging_free[turn] = done
         self.device.keep_alive(on_device_index, write)
-        held = (index, batch.payloads)
+        held = (batch.payloads,)
         for key in batch.keys:
             self._pending.setdefault(key, []).append((done, held))
 
@@ -138,7 +138,7 @@ class BlockLoader:
         ``index_copy_`` per batch (a frame's own would cost more host time than its copy takes)."""
         num_bytes = source.numel() * source.element_size()
         batch = self._batches.get(id(cache))
-        if batch is not None and batch.num_bytes + num_bytes > self.ring.slot_bytes:
+        if batch is not None and batch.num_bytes + num_bytes > self.slot_bytes:
             self._flush(batch)
             batch = None
         if batch is None:
@@ -147,31 +147,27 @@ class BlockLoader:
 
     def _load(self, key: str, cache: torch.Tensor, block_dim: int, source: torch.Tensor, keep: Sequence[int],
               block_ids: Sequence[int]) -> None:
+        """Blocks ``keep`` of a frame outside pinned memory: staged through the pinned allocator and
+        copied in on the copy stream, after the compute stream's work and the batches' writes."""
         compute, side = self.device.current_stream(), self.device.side_stream(COPY)
-        shape = list(cache.shape)
-        shape[block_dim] = len(keep)
-        num_bytes = _block_bytes(cache, block_dim) * len(keep)
-        slot = self.ring.acquire()
-        try:
-            staged = _stage(slot.memory[:num_bytes], source, block_dim, keep).view(cache.dtype).view(shape)
-            index = torch.tensor(block_ids, dtype=torch.long).pin_memory()
-            with self.device.use(side):
-                side.wait_stream(compute)
-                side.wait_stream(self.device.side_stream(WRITE))  # no batch's write still reads the buffer
-                on_device = self._staging_buffer(0)[:num_bytes].view(cache.dtype).view(shape)
-                on_device.copy_(staged, non_blocking=True)
-                cache.index_copy_(block_dim, index.to(self.device.device, non_blocking=True), on_device)
-                done = self.device.event()
-                done.record(side)
-        except BaseException:
-            self.ring.release(slot)
-            raise
-        self.ring.release(slot, done)
-        self._pending.setdefault(key, []).append((done, (index,)))
+        staged = source if len(keep) == source.shape[block_dim] else \
+            source.index_select(block_dim, torch.tensor(list(keep), dtype=torch.long))
+        with self.device.use(side):
+            side.wait_stream(compute)
+            side.wait_stream(self.device.side_stream(WRITE))
+            cache.index_copy_(block_dim, self.device.index(block_ids), self.device.upload(staged))
+            done = self.device.event()
+            done.record(side)
+        self._pending.setdefault(key, []).append((done, ()))
+
+    def close(self) -> None:
+        """Wait for the copies in flight (shutdown: before the memory they read is given back)."""
+        self.flush()
+        self.device.drain()
 
     def _staging_buffer(self, turn: int) -> torch.Tensor:
         while len(self._staging) <= turn:
-            self._staging.append(torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device.device))
+            self._staging.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device.device))
         return self._staging[turn]
 
 
@@ -197,22 +193,6 @@ class _Batch:
 def _run_of(keep: Sequence[int], block_dim: int) -> bool:
     """Whether ``keep`` is consecutive blocks of a block-major payload (one run of bytes)."""
     return block_dim == 0 and list(keep) == list(range(keep[0], keep[0] + len(keep)))
-
-
-def _stage(memory: torch.Tensor, source: torch.Tensor, block_dim: int, keep: Sequence[int]) -> torch.Tensor:
-    """Copy blocks ``keep`` of ``source`` into pinned ``memory``. Consecutive blocks of a block-major
-    payload are one run of bytes: a plain (multi-threaded) byte copy, several times faster than a
-    gather of bf16 blocks."""
-    first, count = keep[0], len(keep)
-    if _run_of(keep, block_dim):
-        rows = source.view(source.shape[0], -1).view(torch.uint8)
-        memory.view(count, -1).copy_(rows[first:first + count])
-    else:
-        shape = list(source.shape)
-        shape[block_dim] = count
-        torch.index_select(source, block_dim, torch.tensor(keep, dtype=torch.long),
-                           out=memory.view(source.dtype).view(shape))
-    return memory
 
 
 def _block_bytes(cache: torch.Tensor, block_dim: int) -> int:

@@ -161,14 +161,12 @@ class LayerSaver:
         shape = list(cache.shape)
         shape[block_dim] = len(block_ids)
         num_bytes = cache.numel() // cache.shape[block_dim] * len(block_ids) * cache.element_size()
-        index = torch.tensor(block_ids, dtype=torch.long)
+        index = self.device.index(block_ids)
         if not self.device.is_cuda:
             torch.index_select(cache, block_dim, index, out=_typed(slot.memory, num_bytes, cache.dtype, shape))
             return index, num_bytes
-        index = index.pin_memory()
         staging = self._staging_buffer()
-        torch.index_select(cache, block_dim, index.to(self.device.device, non_blocking=True),
-                           out=_typed(staging, num_bytes, cache.dtype, shape))
+        torch.index_select(cache, block_dim, index, out=_typed(staging, num_bytes, cache.dtype, shape))
         slot.memory[:num_bytes].copy_(staging[:num_bytes], non_blocking=True)
         return index, num_bytes
 
@@ -179,6 +177,7 @@ class LayerSaver:
         return self._staging
 
     def _send_loop(self) -> None:
+        self.device.bind_thread()
         while (item := self._copies.get()) is not None:
             try:
                 self._run(item)

@@ -46,7 +46,7 @@ class HostRing:
         self.num_waits = 0
         self._device = device
         self._memory = torch.empty(slot_bytes * num_slots, dtype=torch.uint8)
-        self._pinned = device.is_cuda and _register(self._memory)
+        self._pinned = device.register(self._memory.data_ptr(), self._memory.numel())
         self._slots = [Slot(i, self._memory[i * slot_bytes:(i + 1) * slot_bytes]) for i in range(num_slots)]
         self._free: deque[Slot] = deque(self._slots)
         self._cond = threading.Condition()
@@ -107,7 +107,7 @@ class HostRing:
             self._closed = True
             self._cond.notify_all()
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._memory.data_ptr())
+            self._device.unregister(self._memory.data_ptr())
             self._pinned = False
 
     def _ready(self) -> Slot | None:
@@ -117,12 +117,3 @@ class HostRing:
                 return slot
         return None
 
-
-def _register(memory: torch.Tensor) -> bool:
-    """Pin ``memory`` in place at its exact size; a failure leaves it pageable (slower, still correct)."""
-    error = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
-    if int(error) != 0:
-        logger.warning("host ring of %d bytes not pinned (cudaHostRegister error %d): copies will be slower",
-                       memory.numel(), int(error))
-        return False
-    return True

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.kv_connector.device.streams import Device
 from services.kv_connector.layouts.mapping import Piece, chunk_size, token_chunks
 from services.kv_connector.layouts.spec import (CPU_K_TRANSPOSED, DTYPE_BYTES, TILE_TOKENS, TILED_LAYOUTS, TOKEN_ROWS,
                                                 AttentionLayer, LinearLayer)
@@ -77,21 +78,24 @@ def read_tokens(view: torch.Tensor, half: int, cache_layout: str = CPU_K_TRANSPO
     return tile_view(view, half, cache_layout).reshape(blocks, heads, block_size, head_size)
 
 
-def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece) -> torch.Tensor:
-    """A contiguous copy of the piece's heads in ``block_ids`` (producer side)."""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=view.device)
+def slice_attention(view: torch.Tensor, block_ids: Sequence[int], piece: Piece,
+                    device: Device | None = None) -> torch.Tensor:
+    """A contiguous copy of the piece's heads in ``block_ids`` (producer side), enqueued on the current
+    stream with no host wait (``device``: the cache's facade)."""
+    index = (device or Device(view.device)).index(block_ids)
     return view[:, piece.src_start:piece.src_start + piece.num_units].index_select(0, index)
 
 
 def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload: torch.Tensor, piece: Piece,
                     first_block: int, src_block_size: int, cache_layout: str = CPU_K_TRANSPOSED,
-                    src_layout: str | None = None) -> None:
+                    src_layout: str | None = None, device: Device | None = None) -> None:
     """Write ``payload`` (producer blocks from the request's block ``first_block`` on, as
     ``slice_attention`` made them, in ``src_layout``, by default the same as the consumer's) into the
     request's consumer blocks ``block_ids`` (in ``cache_layout``), token by token (``token_view``), or
     where either layout packs tokens in groups (``CPU_AMX``) group by group (``tile_view``): layouts
     convert on the way. Ids that are None, and tokens past the last consumer block, are skipped. A
-    payload in host memory is copied to the cache's device first."""
+    payload in host memory is copied to the cache's device first, and the index tensors built, on the
+    current stream with no host wait (``device``: the cache's facade)."""
     src_layout = src_layout or cache_layout
     dst_block_size = view.shape[3]
     chunks = [chunk for chunk in token_chunks(first_block, payload.shape[0], src_block_size, dst_block_size)
@@ -103,10 +107,11 @@ def write_attention(view: torch.Tensor, block_ids: Sequence[int | None], payload
     unit = TILE_TOKENS if tiled else 1
     if size % unit:
         raise ValueError(f"chunks of {size} tokens do not hold whole {unit}-token groups of {cache_layout}")
+    device = device or Device(view.device)
     src_blocks, src_slots, dst_blocks, dst_slots = (
-        torch.tensor(column, dtype=torch.long, device=view.device)
+        device.index(column)
         for column in zip(*((c.src_block, c.src_slot, block_ids[c.dst_block], c.dst_slot) for c in chunks)))
-    payload = payload.to(view.device)
+    payload = device.upload(payload)
     heads = slice(piece.dst_start, piece.dst_start + piece.num_units)
     read = tile_view if tiled else token_view
     for half in (0, 1):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kv_connector.device.streams import Device
 from services.kv_connector.layouts.physical import Physical, detect, layout_tags
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,12 @@ class KVLayout:
         blocks are freed)."""
         return self.gather(layer, block_ids).cpu()
 
-    def gather(self, layer: LayerInfo, block_ids: list[int]) -> torch.Tensor:
+    def gather(self, layer: LayerInfo, block_ids: list[int], device: Device | None = None) -> torch.Tensor:
         """A contiguous copy of ``block_ids`` of ``layer`` where the cache lives (on CUDA enqueued on
-        the current stream: in order after the forward, and before any later write to the blocks)."""
+        the current stream with no host wait: in order after the forward, and before any later write
+        to the blocks; ``device``: the cache's facade)."""
         tensor = self.caches[layer.name]
-        index = torch.tensor(block_ids, dtype=torch.long, device=tensor.device)
+        index = (device or Device(tensor.device)).index(block_ids)
         return tensor.index_select(layer.block_dim, index).contiguous()
 
     def write_some(self, layer: LayerInfo, block_ids: list[int | None], keep: list[int],

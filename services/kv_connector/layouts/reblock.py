@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.kv_connector.device.streams import Device
 from services.kv_connector.layouts.apply import (
     TORCH_DTYPES,
     attention_view,
@@ -64,8 +65,9 @@ class Reblocker:
 
     def __init__(self, src: LayoutSpec, dst: LayoutSpec, layout: KVLayout, pieces: Sequence[Piece],
                  written: Sequence[Piece], sources: tuple[tuple[int, int | None], ...],
-                 replicas: tuple[int, ...] = ()) -> None:
+                 replicas: tuple[int, ...] = (), device: Device | None = None) -> None:
         self.src, self.dst, self._layout = src, dst, layout
+        self._device = device
         self.sources, self.replicas = sources, replicas
         self.sliced = src.tp_size != dst.tp_size  # frames hold pieces, not the producer's whole pages
         self._src_layers = {layer.name: layer for layer in src.layers}
@@ -104,7 +106,7 @@ class Reblocker:
                 source = from_payload(payload[offset:offset + size], self.src.dtype, shape) if self.sliced else \
                     pages[:, piece.src_start:piece.src_start + piece.num_units]
                 write_attention(view, block_ids, source, piece, first_block, src_block_size, self.dst.cache_layout,
-                                self.src.cache_layout)
+                                self.src.cache_layout, self._device)
             offset += size
 
     def fits_state_page(self, layer: LayerInfo, num_bytes: int) -> bool:
@@ -122,8 +124,9 @@ class Reblocker:
         temporal state each on its own, and with TP slicing each conv component on its own."""
         src, dst = self._src_layers[layer.name], self._dst_layers[layer.name]
         assert isinstance(src, LinearLayer) and isinstance(dst, LinearLayer)
-        source = torch.frombuffer(payload, dtype=torch.uint8)
-        target = state_page(self._layout.caches[layer.name], block_id)
+        cache = self._layout.caches[layer.name]
+        source = (self._device or Device(cache.device)).upload(torch.frombuffer(payload, dtype=torch.uint8))
+        target = state_page(cache, block_id)
         if not self.sliced:
             conv_state_view(target, dst).copy_(conv_state_view(source, src))
             temporal_state_view(target, dst).copy_(temporal_state_view(source, src))
@@ -149,8 +152,9 @@ class ReblockPlans:
     (``via`` None) or passed on by consumer rank ``via``: copy pages as they are (None), re-block (a
     ``Reblocker``), or refuse (the reason)."""
 
-    def __init__(self, layout: KVLayout, spec: LayoutSpec | None) -> None:
-        self._layout, self._spec = layout, spec
+    def __init__(self, layout: KVLayout, spec: LayoutSpec | None, device: Device | None = None) -> None:
+        """``device``: the cache's facade, which every ``Reblocker``'s writes enqueue through."""
+        self._layout, self._spec, self._device = layout, spec, device
         self._plans: OrderedDict[tuple[bytes, int | None], Reblocker | str | None] = OrderedDict()
 
     def plan(self, payload: bytes, via: int | None = None) -> Reblocker | str | None:
@@ -189,14 +193,15 @@ class ReblockPlans:
             if via is not None or src.tp_rank != dst.tp_rank:
                 return f"{mismatch}: producer TP rank {src.tp_rank} sent to consumer TP rank {dst.tp_rank}"
             pieces = _whole_pages(result, dst.tp_rank)
-            return Reblocker(src, dst, self._layout, pieces, pieces, ((src.tp_rank, None),))
+            return Reblocker(src, dst, self._layout, pieces, pieces, ((src.tp_rank, None),), device=self._device)
         receiver = dst.tp_rank if via is None else via
         pieces = [piece for piece in result.pieces_to(receiver) if piece.src_rank == src.tp_rank]
         written = [piece for piece in pieces if via is None or dst.tp_rank in piece.replicas]
         if not written:
             return f"{mismatch}: producer TP rank {src.tp_rank} holds nothing for consumer TP rank {dst.tp_rank}"
         replicas = tuple(sorted({rank for piece in pieces for rank in piece.replicas})) if via is None else ()
-        return Reblocker(src, dst, self._layout, pieces, written, sources_of(result, dst.tp_rank), replicas)
+        return Reblocker(src, dst, self._layout, pieces, written, sources_of(result, dst.tp_rank), replicas,
+                         self._device)
 
     def _other_tp_size(self, encoded: bytes) -> bool:
         """The producer announced another TP size than this engine's. Ranks' pages can then be alike

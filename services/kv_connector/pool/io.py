@@ -5,8 +5,8 @@ loop with a ``CachePoolClient``. Hooks call ``start_*`` (never blocks) and get a
 ``PoolModel`` says what the pool keys of this engine are: the model key with its KV layout's
 fingerprint (``layout.spec_fingerprint``: block size, dtype, heads, layers, groups), the tokens per
 block and each KV-cache group's kind, derived from vLLM's ``KVCacheConfig`` the same way in the
-scheduler and the worker process. An engine of several TP ranks keeps each rank's share of a block
-under a key of that rank (``types.rank_key``): each rank stores and loads its own share, and the
+scheduler and the worker process (``settings.pool_model``). An engine of several TP ranks keeps each
+rank's share of a block under a key of that rank (``types.rank_key``): each rank stores and loads its own share, and the
 scheduler's lookup asks for every rank's and counts only the prefix that all of them hold.
 """
 from __future__ import annotations
@@ -16,8 +16,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from services.cache_pool_client.types import (Block, GroupIds, GroupKind, KvCacheGroup, LookupQuery, LookupResult,
-                                             PutResult, layout_key, rank_key)
+import grpc
+
+from services.cache_pool_client.types import (Block, GroupIds, KvCacheGroup, LookupQuery, LookupResult, PutResult,
+                                             rank_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,29 +40,12 @@ class PoolModel(GroupIds):
         """One query per TP rank: a prefix is usable only where every rank's share of it is stored."""
         return tuple(self.query(block_hashes, rank) for rank in range(self.tp_size))
 
-    @classmethod
-    def of(cls, model: str, kv_cache_config, tp_size: int = 1, cache_layout: str = "") -> "PoolModel | None":
-        """None when a group is neither full attention nor a recurrent state (e.g. sliding window),
-        or the full-attention groups disagree on the block size: the pool is then not used."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
-        from services.kv_connector.layouts.pages import spec_fingerprint
-
-        groups, block_sizes = [], set()
-        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-            if isinstance(spec, MambaSpec):
-                groups.append(KvCacheGroup(group_id, GroupKind.LINEAR_ATTENTION))
-            elif all(type(s) is FullAttentionSpec for s in specs):
-                groups.append(KvCacheGroup(group_id, GroupKind.FULL_ATTENTION))
-                block_sizes.add(spec.block_size)
-            else:
-                return None
-        if len(block_sizes) != 1:
-            return None
-        key = layout_key(model, spec_fingerprint(kv_cache_config, cache_layout))
-        return cls(key, block_sizes.pop(), tuple(groups), tp_size)
+def failure_text(exc: BaseException) -> str:
+    """What a failed pool call says: the gRPC status's details where it has them."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.details():
+        return exc.details()
+    return str(exc)
 
 
 class PoolIO:
@@ -74,6 +59,7 @@ class PoolIO:
         self._transport = transport
         self._kv_host = kv_host
         self._security = security
+        self._on_arena = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="prfaas-cache-pool", daemon=True)
         self._thread.start()
@@ -84,11 +70,16 @@ class PoolIO:
         """Several queries (one per TP rank's share): the answer with the fewest usable blocks."""
         return self._run(self._lookup(queries))
 
+    def watch_arena(self, on_arena) -> None:
+        """``on_arena(address, size)`` runs on the I/O thread before each Put and Get that goes through
+        the pool's shared-memory arena (the connector pins it there, off the engine thread)."""
+        self._on_arena = on_arena
+
     def start_get(self, model: str, refs: list[tuple[int, bytes]]) -> "Future[list[Block]]":
         """Fails (``grpc.aio.AioRpcError`` NOT_FOUND) when any block is gone: the caller recomputes.
         Blocks in the pool's arena come as views, not yet copied: the caller copies them into its
         blocks and then checks each one's ``intact()`` (False: evicted meanwhile, recompute)."""
-        return self._run(self._client.get_views(model, refs))
+        return self._run(self._get(model, refs))
 
     def start_put(self, model: str, make_blocks) -> "Future[PutResult]":
         """``make_blocks()`` runs on the I/O thread; the blocks' data may be ``Pieces`` (views of the
@@ -123,9 +114,18 @@ class PoolIO:
                                          for query in queries))
         return min(results, key=lambda result: result.num_usable_blocks)
 
+    async def _get(self, model: str, refs: list[tuple[int, bytes]]) -> list[Block]:
+        await self._announce_arena()
+        return await self._client.get_views(model, refs)
+
     async def _put(self, model: str, make_blocks) -> PutResult:
+        await self._announce_arena()
         blocks = make_blocks()
         return await self._client.put(model, blocks) if blocks else PutResult(0, 0)
+
+    async def _announce_arena(self) -> None:
+        if self._on_arena is not None and (arena := await self._client.arena()) is not None:
+            await asyncio.to_thread(self._on_arena, arena.address, arena.size)
 
     def _run(self, coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

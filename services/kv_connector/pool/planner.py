@@ -21,7 +21,7 @@ from typing import Any
 
 from services.cache_pool_client.hashing import prompt_block_hashes
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
-from services.kv_connector.pool_io import PoolModel
+from services.kv_connector.pool.io import PoolModel
 from services.kv_connector.scheduled import Scheduled
 
 logger = logging.getLogger(__name__)

@@ -22,15 +22,15 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from services.cache_pool_client.arena_client import ArenaView, intact
 from services.cache_pool_client.types import Block, Pieces
 from services.kv_connector.device import DEFAULT_SLOT_BYTES
 from services.kv_connector.device.consumer import BlockLoader
-from services.kv_connector.device.pool_copies import DevicePiece, PinnedRegion
-from services.kv_connector.device.ring import HostRing
 from services.kv_connector.device.streams import Device
+from services.kv_connector.pool.copies import DevicePiece, PinnedRegion
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
-from services.kv_connector.pool_io import PoolModel
+from services.kv_connector.pool.io import PoolModel, failure_text
 from services.kv_connector.snapshot import PoolCounters
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,7 @@ class PoolWorker:
         self.layout: KVLayout | None = None
         self._device = Device("cpu")
         self._loader: BlockLoader | None = None
-        self._rings: list[HostRing] = []
-        self._arenas: dict[int, PinnedRegion] = {}  # by the arena mapping's address
+        self._arena: PinnedRegion | None = None  # the pool's arena, pinned (the I/O thread's to change)
         self._loads: dict[str, tuple[PoolLoadSpec, Future]] = {}
         self._copying: dict[str, tuple[PoolLoadSpec, list[Block]]] = {}  # loads whose copies may still run
         self._released: set[str] = set()
@@ -55,22 +54,36 @@ class PoolWorker:
         self.num_loads_failed = 0
         self.num_stores_failed = 0
 
-    def register_kv_caches(self, layout: KVLayout, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
-        """The engine's paged cache; ``slot_bytes``: the loader's host slots for bytes that are not
-        in pinned memory (a Get's that came inline), at least one block of any layer."""
+    def register_kv_caches(self, layout: KVLayout, device: Device, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+        """The engine's paged cache and its device facade; ``slot_bytes``: the most bytes one batch
+        of copies in holds (at least one block of any layer). From now on the pool's I/O thread pins
+        each arena it meets (``_pin_arena``), so neither stores nor loads register it on this thread."""
         self.layout = layout
-        caches = list(layout.caches.values())
-        self._device = Device(caches[0].device if caches else "cpu")
+        self._device = device
         largest = max((layout.payload_bytes(layer, 1) for layer in layout.layers.values()), default=0)
-        self._rings = [HostRing(self._device, max(slot_bytes, largest), 2)]
-        self._loader = BlockLoader(self._device, self._rings[0])
+        self._loader = BlockLoader(device, max(slot_bytes, largest))
+        if device.is_cuda:
+            self._io.watch_arena(self._pin_arena)
 
     def close(self) -> None:
-        for ring in self._rings:
-            ring.close()
-        for region in self._arenas.values():
-            region.close()
-        self._rings, self._arenas = [], {}
+        """After the copies in flight (the arena's registration goes once nothing reads it)."""
+        if self._loader is not None:
+            self._loader.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _pin_arena(self, address: int, size: int) -> None:
+        """On the pool's I/O thread, before a Put or Get goes through the arena at ``address``: pin it
+        the first time (a restarted pool maps a new one: the old one's registration is undone), so
+        both directions are single DMAs and no step waits for the registration."""
+        if self._arena is not None and self._arena.address == address:
+            return
+        self._device.bind_thread()
+        old, self._arena = self._arena, PinnedRegion(self._device, address, size)
+        self._loader.pinned = [self._arena]
+        if old is not None:
+            old.close()
 
     def on_metadata(self, meta: PrfaasConnectorMetadata) -> None:
         for spec in meta.pool_loads:
@@ -98,28 +111,45 @@ class PoolWorker:
             future = self._io.start_put(self.key, lambda spec=spec, copies=copies: self._blocks(spec, copies, ready))
             future.add_done_callback(lambda f, spec=spec: self._on_stored(spec, f))
 
-    def _copy_out(self, spec: PoolStoreSpec) -> dict[int, list[tuple[LayerInfo, torch.Tensor]]]:
+    def _copy_out(self, spec: PoolStoreSpec) -> dict[int, torch.Tensor]:
+        """Per group, the step's blocks gathered block-major: row k holds block k of every layer of the
+        group, in layer order (a pool block's bytes), so each block leaves the device as one run."""
         copies = {}
         for group in self.model.full_group_ids:
             ids = [spec.block_ids[group][i] for i, _ in spec.blocks]
             if ids:
-                copies[group] = [(layer, self.layout.gather(layer, ids)) for layer in self._layers(group)]
+                copies[group] = self._gather_rows(group, ids)
         for group in self.model.linear_group_ids if spec.state_hash else ():
             page = self._state_page(spec.block_ids, group, spec.end)
             if page != NULL_BLOCK:
-                copies[group] = [(layer, self.layout.gather(layer, [page])) for layer in self._layers(group)]
+                copies[group] = self._gather_rows(group, [page])
         return copies
 
-    def _blocks(self, spec: PoolStoreSpec, copies, ready) -> list[Block]:
-        """Runs on the I/O thread. In prompt order: each block's groups, then the state at the end."""
-        def join(group: int, k: int) -> Pieces:
-            return _join(copies[group], k, self._device, ready)
+    def _gather_rows(self, group: int, ids: list[int]) -> torch.Tensor:
+        layers = self._layers(group)
+        index = self._device.index(ids)
+        rows = torch.empty(len(ids), sum(self.layout.payload_bytes(layer, 1) for layer in layers), dtype=torch.uint8,
+                           device=self.layout.caches[layers[0].name].device)
+        offset = 0
+        for layer in layers:
+            size = self.layout.payload_bytes(layer, 1)
+            blocks = self.layout.caches[layer.name].index_select(layer.block_dim, index).movedim(layer.block_dim, 0)
+            rows[:, offset:offset + size].copy_(blocks.reshape(len(ids), -1).view(torch.uint8))
+            offset += size
+        return rows
 
-        blocks = [Block(group, block_hash, join(group, k))
+    def _blocks(self, spec: PoolStoreSpec, copies: dict[int, torch.Tensor], ready) -> list[Block]:
+        """Runs on the I/O thread. In prompt order: each block's groups, then the state at the end. On
+        CUDA each block is one ``DevicePiece``."""
+        def piece(group: int, k: int) -> Pieces:
+            row = copies[group][k]
+            return Pieces((DevicePiece(row, ready, self._device) if self._device.is_cuda else row.numpy(),))
+
+        blocks = [Block(group, block_hash, piece(group, k))
                   for k, (_, block_hash) in enumerate(spec.blocks) for group in self.model.full_group_ids
                   if group in copies]
         if spec.state_hash and all(g in copies for g in self.model.linear_group_ids):
-            blocks += [Block(group, spec.state_hash, join(group, 0)) for group in self.model.linear_group_ids]
+            blocks += [Block(group, spec.state_hash, piece(group, 0)) for group in self.model.linear_group_ids]
         return blocks
 
     def _on_stored(self, spec: PoolStoreSpec, future: Future) -> None:
@@ -159,7 +189,7 @@ class PoolWorker:
                 continue
             del self._copying[req_id]
             finished.add(req_id)
-            if not all(_intact(block.data) for block in blocks):
+            if not all(intact(block.data) for block in blocks):
                 self._failed(req_id, "a block was evicted from the pool while being read", failed)
                 continue
             self.num_tokens_loaded += spec.num_blocks * self.model.block_size
@@ -187,7 +217,7 @@ class PoolWorker:
         if future.cancelled():
             return "cancelled"
         if (exc := future.exception()) is not None:
-            return str(getattr(exc, "details", lambda: exc)() or exc)
+            return failure_text(exc)
         blocks = future.result()
         refs = self._refs(spec)
         if [(b.group_id, b.block_hash) for b in blocks] != refs:
@@ -199,7 +229,6 @@ class PoolWorker:
         for block, target in zip(blocks, targets):
             if error := self._check(block, target):
                 return error
-        self._pin_arenas(blocks)
         for block, target in zip(blocks, targets):
             self._write(spec.req_id, block, target)
         return None
@@ -220,18 +249,6 @@ class PoolWorker:
                                memoryview(_span(block.data, offset, offset + size)), [0], [target])
             offset += size
 
-    def _pin_arenas(self, blocks: list[Block]) -> None:
-        """On CUDA, register the pool's arena as pinned memory the first time a Get comes through it
-        (a restarted pool maps a new one), so its blocks go to the device in one DMA each."""
-        if not self._device.is_cuda:
-            return
-        for block in blocks:
-            mapping = getattr(block.data, "mapping", None)
-            if mapping is not None and mapping.address not in self._arenas:
-                region = PinnedRegion(self._device, mapping.address, mapping.size)
-                self._arenas[mapping.address] = region
-                self._loader.pinned.append(region)
-
     def _state_page(self, block_ids, group: int, num_tokens: int) -> int:
         return state_block_at(block_ids[group], num_tokens, self.layout.block_size[group])
 
@@ -243,25 +260,6 @@ def _load_key(req_id: str) -> str:
     return f"pool:{req_id}"
 
 
-def _join(copies: list[tuple[LayerInfo, torch.Tensor]], k: int, device: Device, ready) -> Pieces:
-    """Block ``k`` of each layer's copy, as views of the copies (no bytes are joined)."""
-    return Pieces(tuple(piece for layer, tensor in copies
-                        for piece in _block_pieces(tensor, layer.block_dim, k, device, ready)))
-
-
-def _block_pieces(tensor: torch.Tensor, block_dim: int, k: int, device: Device, ready) -> list:
-    """Block ``k`` of a contiguous copy, in the order ``extract`` lays it out: contiguous uint8 arrays
-    on CPU, pieces the pool client copies out of the device (after ``ready``) on CUDA."""
-    rows = [tensor[k]] if block_dim == 0 else [tensor[j, k] for j in range(tensor.shape[0])]
-    if device.is_cuda:
-        return [DevicePiece(row, ready, device) for row in rows]
-    return [row.reshape(-1).view(torch.uint8).numpy() for row in rows]
-
-
 def _span(data, start: int, stop: int):
     """Bytes [start, stop) of a Get's block: a view of its arena slots, or of its bytes."""
-    return data.view(start, stop) if hasattr(data, "intact") else memoryview(data)[start:stop]
-
-
-def _intact(data) -> bool:
-    return data.intact() if hasattr(data, "intact") else True
+    return data.view(start, stop) if isinstance(data, ArenaView) else memoryview(data)[start:stop]

@@ -68,7 +68,7 @@ from _common import results_dir
 from support.baseline import engine_identity, greedy_margins
 from support.deployment import Deployment, deployment_config
 from support.netns import available, run_command
-from support.ports import free_port
+from support.ports import free_port, free_ports
 from support.procs import group_pids
 from support.prose import corpus
 from support.wan import wan_path
@@ -124,6 +124,7 @@ class Request:
     verdict: str = ""            # right | wrong | error | refused | hung | lost
     held_by: str = ""            # the killed process it was in flight in, if any
     detail: str = ""
+    router: int = 0              # the router it was sent to (--routers: round-robin)
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Run:
     faults: list[Fault] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
-    router_down: list[tuple[float, float]] = field(default_factory=list)
+    router_down: list[tuple[float, float, int]] = field(default_factory=list)  # (from, to, which router)
     segments: set[str] = field(default_factory=set)  # shared-memory files the services mapped
 
     def now(self) -> float:
@@ -142,7 +143,7 @@ class Run:
 
 # --- topology --------------------------------------------------------------------------------------
 
-def make_config(link, shm_dir: Path) -> dict:
+def make_config(link, shm_dir: Path, num_routers: int = 1) -> dict:
     engine = {"max_num_batched_tokens": BUDGET}
     config = deployment_config(
         [{"name": "prefill-0", "service": "prefill_worker", "cluster": "prfaas", "host": link.ns_addr,
@@ -151,7 +152,7 @@ def make_config(link, shm_dir: Path) -> dict:
           "kv_port": free_port(), "engine": engine, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
          {"name": "pd-1", "service": "decode_worker", "role": "both", "cluster": "local", "host": link.host_addr,
           "kv_port": free_port(), "engine": engine, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}],
-        router={"connect_timeout_s": 2.0, "stats_interval_s": 0.5},
+        router={"connect_timeout_s": 2.0, "stats_interval_s": 0.5, "port": free_ports(num_routers)},
         scheduler={"offload_threshold_tokens": THRESHOLD, "cache_block_size": 128, "adaptive_threshold": True,
                    "link_capacity_gbps": NOMINAL_MBIT / 1000, "threshold_step": 2.0, "threshold_hold_s": 4.0},
         transport={"recv_idle_timeout_s": 8.0, "io_timeout_s": 10.0, "connect_timeout_s": 2.0},
@@ -165,8 +166,8 @@ def make_config(link, shm_dir: Path) -> dict:
     return config
 
 
-def ports_of(config: dict) -> list[int]:
-    ports = [config["router"]["port"]]
+def ports_of(config: dict, num_routers: int = 1) -> list[int]:
+    ports = [config["router"]["port"] + i for i in range(num_routers)]
     for entry in config["workers"] + config["cache_pools"]:
         ports += [entry[key] for key in ("port", "kv_port") if entry.get(key)]
     return ports
@@ -313,16 +314,20 @@ class Faults:
                 self.link.set_rate(NOMINAL_MBIT, side=side, action="replace")
 
     def router_restart(self, fault: Fault) -> None:
-        child = self.deployment.child("router")
+        """SIGTERM to the last router (the only one without --routers), then start it again; requests
+        sent to the other routers meanwhile are counted like any other."""
+        replica = self.deployment.routers - 1
+        name = supervisor.router_names(self.deployment.routers)[replica]
+        child = self.deployment.child(name)
         down = self.run.now()
         os.killpg(child.process.pid, signal.SIGTERM)
         child.process.wait(60)
         child.log_file.close()
         child.start()
-        port = self.deployment.config["router"]["port"]
-        _wait(lambda: supervisor.router_healthy("127.0.0.1", port), 120, "router after restart")
-        self.run.router_down.append((down, self.run.now()))
-        fault.killed, fault.notes = "router", "(drained, then restarted)"
+        port = self.deployment.config["router"]["port"] + replica
+        _wait(lambda: supervisor.router_healthy("127.0.0.1", port), 120, f"{name} after restart")
+        self.run.router_down.append((down, self.run.now(), replica))
+        fault.killed, fault.notes = name, "(drained, then restarted)"
 
     def kill_supervised(self, fault: Fault) -> None:
         """SIGKILL of pd-1's main process, restarted by the supervision `prfaas up` runs (not by this bench)."""
@@ -397,22 +402,30 @@ def schedule(names: list[str], seed: int) -> list[Fault]:
 
 # --- load ------------------------------------------------------------------------------------------
 
-async def drive_load(run: Run, base_url: str, api_key: str | None, prompts, expected, stop: threading.Event,
-                     held: dict[int, Request]) -> None:
+async def drive_load(run: Run, base_urls: list[str], api_key: str | None, prompts, expected,
+                     stop: threading.Event, held: dict[int, Request]) -> None:
+    """Requests at ``--rate``, round-robin over the routers."""
     interval = 1.0 / run.args.rate
     tasks = []
-    async with OpenAIClient(base_url, api_key, timeout_s=run.args.deadline, max_connections=0) as client:
+    clients = [OpenAIClient(url, api_key, timeout_s=run.args.deadline, max_connections=0) for url in base_urls]
+    try:
+        for client in clients:
+            await client.__aenter__()
         next_at = run.now()
         for index, (kind, ids) in enumerate(prompts):
             if stop.is_set():
                 break
             await asyncio.sleep(max(0.0, next_at - run.now()))
             next_at += interval
-            request = Request(index, kind, len(ids), start=run.now())
+            request = Request(index, kind, len(ids), start=run.now(), router=index % len(clients))
             run.requests.append(request)
             held[index] = request
-            tasks.append(asyncio.create_task(_one(run, client, request, ids, expected[index], held)))
+            tasks.append(asyncio.create_task(_one(run, clients[request.router], request, ids, expected[index],
+                                                  held)))
         await asyncio.gather(*tasks)
+    finally:
+        for client in clients:
+            await client.__aexit__(None, None, None)
 
 
 async def _one(run: Run, client: OpenAIClient, request: Request, ids: list[int], expected: set[str],
@@ -637,8 +650,21 @@ def listening(ports: list[int]) -> list[str]:
 
 
 def _held(request: Request, fault: Fault) -> bool:
-    """Whether ``request`` was in flight in the process that ``fault`` killed or restarted."""
+    """Whether ``request`` was in flight in the process that ``fault`` killed or restarted (a router
+    holds only the requests sent to it)."""
+    if fault.killed.startswith("router") and fault.killed != _router_name(request.router):
+        return False
     return bool(fault.killed) and request.start < fault.start < (request.end or float("inf"))
+
+
+def _router_name(replica: int) -> str:
+    return supervisor.router_names(replica + 1)[replica]
+
+
+def _to_other_routers(run: Run) -> list[Request]:
+    """Requests sent to a router other than the one restarting, while it was down (--routers)."""
+    return [r for r in run.requests if any(a <= r.start <= b and r.router != replica
+                                           for a, b, replica in run.router_down)]
 
 
 def summarize(run: Run, after: dict) -> dict:
@@ -647,7 +673,8 @@ def summarize(run: Run, after: dict) -> dict:
     counts["unfinished"] = sum(not r.verdict for r in requests)
     for request in requests:
         request.held_by = next((f.killed for f in run.faults if _held(request, f)), "")
-    during_router_down = [r for r in requests if any(a <= r.start <= b for a, b in run.router_down)]
+    during_router_down = [r for r in requests if any(a <= r.start <= b and r.router == replica
+                                                     for a, b, replica in run.router_down)]
     eligible = [r for r in requests if r.held_by in MIGRATABLE and r not in during_router_down]
     held = [r for r in requests if r.held_by and r.held_by not in MIGRATABLE]
     moved = [r for r in requests if r.held_by in MIGRATABLE and r.held_by]
@@ -659,6 +686,8 @@ def summarize(run: Run, after: dict) -> dict:
                      "held_by_another_killed_process": len(held),
                      "held_ended_badly": sum(r.verdict not in ("right", "error", "refused") for r in held),
                      "sent_while_router_down": len(during_router_down),
+                     "sent_to_other_routers_meanwhile": len(_to_other_routers(run)),
+                     "sent_to_other_routers_meanwhile_right": sum(r.verdict == "right" for r in _to_other_routers(run)),
                      "eligible": len(eligible), "eligible_right": sum(r.verdict == "right" for r in eligible)},
         "completed_share": (sum(r.verdict == "right" for r in eligible) / len(eligible)) if eligible else 0.0,
         "ttft_s": {"inside_faults": _ttft(ttft_in), "outside_faults": _ttft(ttft_out)},
@@ -673,7 +702,8 @@ def verdict_line(summary: dict) -> tuple[bool, str]:
     leaks = (summary["kv_blocks_leaked"] + len(summary["shm_files_left"]) + len(summary["listening_left"])
              + sum(not p["ok"] for p in summary["pools"].values()))
     ok = (r["wrong"] == 0 and r["hung"] == 0 and r["lost"] == 0 and r["unfinished"] == 0 and leaks == 0
-          and r["held_ended_badly"] == 0 and summary["completed_share"] >= MIN_COMPLETED)
+          and r["held_ended_badly"] == 0 and summary["completed_share"] >= MIN_COMPLETED
+          and r["sent_to_other_routers_meanwhile_right"] == r["sent_to_other_routers_meanwhile"])
     line = (f"chaos: completed {summary['completed_share']:.3f} of {r['eligible']} requests not held by a killed "
             f"prefill worker, pool or router (of them {r['held_by_a_killed_decode_worker_right']}/"
             f"{r['held_by_a_killed_decode_worker']} moved off a killed decode worker), wrong {r['wrong']}, "
@@ -782,6 +812,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=0.4, help="requests per second (default 0.4)")
     parser.add_argument("--deadline", type=float, default=150.0,
                         help="seconds after which an unanswered request counts as hung (default 150)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="routers in front of the same workers (prfaas up --routers), requests spread over them "
+                        "round-robin; router_restart restarts the last one, and requests sent to the others while it "
+                        "is down count as any other (they must all be right) (default 1)")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for chaos.json and chaos.png (default bench/results/chaos-<time>)")
     args = parser.parse_args(argv)
@@ -789,6 +823,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(names) - set(FAULTS))
     if unknown:
         parser.error(f"--faults: unknown {', '.join(unknown)} (choose from {', '.join(FAULTS)})")
+    if not 1 <= args.routers <= 8:
+        parser.error("--routers must be between 1 and 8")
     if args.minutes <= 0 or args.rate <= 0 or args.deadline <= 0:
         parser.error("--minutes, --rate and --deadline must be positive")
     args.fault_names = names
@@ -832,10 +868,10 @@ def _schedule_length(faults: list[Fault]) -> float:
 
 def _run(run: Run, link, shm_dir: Path, prompts, expected) -> int:
     args = run.args
-    config = make_config(link, shm_dir)
+    config = make_config(link, shm_dir, args.routers)
     (shm_dir.parent / "ssd-local").mkdir(exist_ok=True)
     prefixes = {"prefill-0": link.exec_argv([]), "pool-prfaas": link.exec_argv([])}
-    deployment = Deployment(config, args.out, prefixes=prefixes)
+    deployment = Deployment(config, args.out, prefixes=prefixes, routers=args.routers)
     print(f"chaos: starting the deployment (logs in {args.out}) ...", flush=True)
     deployment.start()
     from services.config import load_config
@@ -849,7 +885,7 @@ def _run(run: Run, link, shm_dir: Path, prompts, expected) -> int:
         sampling = threading.Thread(target=sampler, args=(run, deployment, stop_sampling), daemon=True)
         sampling.start()
         api_key = None
-        load = threading.Thread(target=lambda: asyncio.run(drive_load(run, deployment.base_url, api_key, prompts,
+        load = threading.Thread(target=lambda: asyncio.run(drive_load(run, deployment.base_urls, api_key, prompts,
                                                                       expected, stop_load, held)), daemon=True)
         load.start()
         faults = Faults(run, deployment, link)
@@ -879,7 +915,7 @@ def _run(run: Run, link, shm_dir: Path, prompts, expected) -> int:
     while time.monotonic() < deadline and leftovers(run, shm_dir):
         time.sleep(0.5)
     after["shm_files_left"] = leftovers(run, shm_dir)
-    after["listening_left"] = listening(ports_of(config))
+    after["listening_left"] = listening(ports_of(config, args.routers))
     summary = summarize(run, after)
     print_table(summary, run)
     report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -9,6 +9,7 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
 START_TIMEOUT_S = 600.0
+MAX_ROUTERS = 16
 ROUTER_EXIT_S = 10.0  # after router.drain_timeout_s, for its streams' error events and its exit
 
 
@@ -36,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help=f"deployment YAML file (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
     parser.add_argument("--log-dir", type=Path, help="override logging.dir from the config")
+    parser.add_argument("--routers", type=int, default=1, metavar="N",
+                        help="routers to start in front of the same workers, on consecutive ports from router.port "
+                        "(router.port, +1, ...); replica 0 makes the role-flip decisions (default: %(default)s)")
     parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
                         help="seconds to wait for every service to become healthy (default: %(default)s)")
     parser.set_defaults(func=_run)
@@ -51,6 +55,9 @@ def _run(args) -> int:
     from services.security import check_listeners
     from services.security.exposure import deployment_listeners
 
+    if not 1 <= args.routers <= MAX_ROUTERS:
+        print(f"prfaas: --routers must be between 1 and {MAX_ROUTERS}, got {args.routers}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         made = supervisor.generated_credentials(config)
@@ -67,9 +74,10 @@ def _run(args) -> int:
               "variables to choose your own)", flush=True)
     print(f"preparing model {config.model.name} ({config.model.path}) ...", flush=True)
     resolve_model_path(config.model)
-    children = supervisor.children_for(config, args.config.resolve(), log_dir)
+    children = supervisor.children_for(config, args.config.resolve(), log_dir, args.routers)
     stats_path = log_dir / STATS_FILE
-    children[-1].env = {LAUNCHER_STATS: str(stats_path.resolve())}  # the router exports the restart counts
+    for router in children[-args.routers:]:  # the routers export the restart counts
+        router.env = {LAUNCHER_STATS: str(stats_path.resolve())}
     stop = _StopRequest()
     signal.signal(signal.SIGTERM, stop.ask)
     signal.signal(signal.SIGINT, stop.ask)
@@ -77,9 +85,9 @@ def _run(args) -> int:
         for child in children:
             child.start()
             print(f"started {child.name} (pid {child.process.pid}), log: {child.log_path}", flush=True)
-        if not _wait_healthy(config, children, args.start_timeout, stop):
+        if not _wait_healthy(config, children, args.start_timeout, stop, args.routers):
             return 0 if stop.asked else 1
-        _print_ready(config)
+        _print_ready(config, args.routers)
         watch = Watch(children, config.supervisor, stats_path, say=lambda line: print(line, flush=True))
         while not stop.asked:
             if reason := watch.poll():
@@ -123,7 +131,7 @@ def _write_credentials(log_dir: Path, variables: dict[str, str]) -> Path:
     return path
 
 
-def _wait_healthy(config, children, timeout_s: float, stop: _StopRequest) -> bool:
+def _wait_healthy(config, children, timeout_s: float, stop: _StopRequest, num_routers: int = 1) -> bool:
     from services.launcher import supervisor
 
     from services.security import GrpcSecurity
@@ -138,7 +146,8 @@ def _wait_healthy(config, children, timeout_s: float, stop: _StopRequest) -> boo
                   file=sys.stderr)
             return False
         pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a, security)}
-        if not pending and supervisor.router_healthy(config.router.host, config.router.port):
+        if not pending and all(supervisor.router_healthy(config.router.host, config.router.port + replica)
+                               for replica in range(num_routers)):
             return True
         if time.monotonic() >= next_note:
             waiting = ", ".join(pending) or "router"
@@ -150,12 +159,14 @@ def _wait_healthy(config, children, timeout_s: float, stop: _StopRequest) -> boo
     return False
 
 
-def _print_ready(config) -> None:
+def _print_ready(config, num_routers: int = 1) -> None:
     from services.router.serve import api_keys
 
     base = f"http://{config.router.host}:{config.router.port}"
     auth = " -H 'Authorization: Bearer <API key>'" if api_keys(config) else ""
     print(f"\nPrfaaS is up: {base}/v1 (model {config.model.name})")
+    for replica in range(1, num_routers):
+        print(f"router {replica}: http://{config.router.host}:{config.router.port + replica}/v1 (same workers)")
     print(f"metrics: {base}/metrics    health: {base}/health    Ctrl-C stops everything\n")
     print(f"""try:
   curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\

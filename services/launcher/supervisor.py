@@ -72,8 +72,14 @@ class Child:
         return self.process is not None and group_alive(self.process.pid)
 
 
-def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> list[Child]:
-    """Cache pools first (workers connect to their cluster's pool), then workers, then the router."""
+def router_names(num_routers: int) -> list[str]:
+    """``router`` for the first (as with one), ``router-1``, ``router-2``, ... for the others."""
+    return ["router"] + [f"router-{i}" for i in range(1, num_routers)]
+
+
+def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path, num_routers: int = 1) -> list[Child]:
+    """Cache pools first (workers connect to their cluster's pool), then workers, then the routers:
+    ``num_routers`` of them on consecutive ports from ``router.port``, replica i on port + i."""
     base = [sys.executable, "-m", "services.cli"]
     children = [Child(pool.name, base + ["cache-pool", "--config", str(config_path), "--name", pool.name],
                       log_dir / f"{pool.name}.log", stage=POOL_STAGE) for pool in config.cache_pools]
@@ -81,7 +87,11 @@ def children_for(config: DeploymentConfig, config_path: Path, log_dir: Path) -> 
         command = "prefill-worker" if worker.service == "prefill_worker" else "decode-worker"
         argv = base + [command, "--config", str(config_path), "--name", worker.name]
         children.append(Child(worker.name, argv, log_dir / f"{worker.name}.log", stage=WORKER_STAGE))
-    children.append(Child("router", base + ["router", "--config", str(config_path)], log_dir / "router.log"))
+    for replica, name in enumerate(router_names(num_routers)):
+        argv = base + ["router", "--config", str(config_path)]
+        if num_routers > 1:
+            argv += ["--port", str(config.router.port + replica), "--replica", str(replica)]
+        children.append(Child(name, argv, log_dir / f"{name}.log"))
     return children
 
 

@@ -62,10 +62,16 @@ class Deployment:
     env: dict[str, str] = field(default_factory=dict)
     only: tuple[str, ...] | None = None
     credentials: dict[str, str] = field(default_factory=dict)
+    routers: int = 1  # routers in front of the same workers, on consecutive ports (`prfaas up --routers`)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.config['router']['port']}"
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every router's URL, replica 0 first."""
+        return [f"http://127.0.0.1:{self.config['router']['port'] + i}" for i in range(self.routers)]
 
     @property
     def config_path(self) -> Path:
@@ -101,7 +107,7 @@ class Deployment:
         # closed, as `prfaas up` is: a token and a KV secret made here unless configured
         self.credentials = self.credentials or supervisor.generated_credentials(parsed)
         self._use_token(parsed)
-        self.children = [c for c in supervisor.children_for(parsed, self.config_path, self.directory)
+        self.children = [c for c in supervisor.children_for(parsed, self.config_path, self.directory, self.routers)
                          if self.only is None or c.name in self.only]
         for child in self.children:
             child.argv = self.prefixes.get(child.name, []) + child.argv
@@ -112,7 +118,8 @@ class Deployment:
         """`prfaas up --log-dir DIRECTORY`: the services' logs and the credentials it generates
         (credentials.env) land in this deployment's directory."""
         up = supervisor.Child("up", [sys.executable, "-m", "services.cli", "up", "--config", str(self.config_path),
-                                     "--log-dir", str(self.directory)], self.directory / "up.log")
+                                     "--log-dir", str(self.directory), "--routers", str(self.routers)],
+                          self.directory / "up.log")
         up.env = {**{k: "" for k in _CREDENTIAL_VARIABLES if k in os.environ}, **self.env}
         self.children = [up]
         up.start()
@@ -155,13 +162,13 @@ class Deployment:
                 else pb_grpc.PrefillWorkerStub
             return stub_class(channel).GetStats(pb.StatsRequest(), timeout=5)
 
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as reply:
+    def metrics_text(self, url: str | None = None) -> str:
+        with urllib.request.urlopen((url or self.base_url) + "/metrics", timeout=5) as reply:
             return reply.read().decode()
 
-    def metric(self, sample: str) -> float:
+    def metric(self, sample: str, url: str | None = None) -> float:
         """A sample's value on the router's /metrics (``name{labels}`` as exported), 0 when absent."""
-        match = re.search(rf"^{re.escape(sample)} (\S+)$", self.metrics_text(), re.MULTILINE)
+        match = re.search(rf"^{re.escape(sample)} (\S+)$", self.metrics_text(url), re.MULTILINE)
         return float(match.group(1)) if match else 0.0
 
     def routed(self, path: str) -> float:
@@ -187,8 +194,10 @@ class Deployment:
                 self.stop()
                 raise RuntimeError(f"a service exited during start-up:\n{self.logs()}")
             pending = {n: a for n, a in pending.items() if not supervisor.worker_serving(*a, self.security)}
-            if not pending and supervisor.router_healthy("127.0.0.1", self.config["router"]["port"]):
-                self._wait_router_sees_workers(parsed)
+            if not pending and all(supervisor.router_healthy("127.0.0.1", self.config["router"]["port"] + i)
+                                   for i in range(self.routers)):
+                for url in self.base_urls:
+                    self._wait_router_sees_workers(parsed, url=url)
                 return
             time.sleep(1.0)
         self.stop()
@@ -197,13 +206,14 @@ class Deployment:
                            f"{self.logs()}")
 
 
-    def _wait_router_sees_workers(self, parsed, timeout_s: float = ROUTER_VIEW_TIMEOUT_S) -> None:
+    def _wait_router_sees_workers(self, parsed, timeout_s: float = ROUTER_VIEW_TIMEOUT_S,
+                                  url: str | None = None) -> None:
         """The router marks a worker up on its own next health poll, a moment after the worker serves:
         a request sent in between would be routed as if that worker were down. Waits (a bounded time)
         until the router's `prfaas_router_worker_up` says every worker is up, where it can be read."""
         def seen() -> bool:
             try:
-                text = self.metrics_text()
+                text = self.metrics_text(url)
             except OSError:  # metrics behind an API key, or not served: nothing to wait for
                 return True
             return all(re.search(rf'^prfaas_router_worker_up{{worker="{re.escape(w.name)}"}} 1(\.0)?$', text,

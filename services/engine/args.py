@@ -126,9 +126,12 @@ def _cpu_flags() -> set[str]:
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 32
 
 
-def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=None):
+def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=None,
+                kv_events_endpoint: str | None = None):
     """vLLM ``AsyncEngineArgs`` for one worker. Sets the CPU KV-cache size and oneDNN's primitive
-    cache capacity in the environment (inherited by the engine's processes) unless already set."""
+    cache capacity in the environment (inherited by the engine's processes) unless already set.
+    ``kv_events_endpoint``: where the engine publishes its KV-cache events (with prefix caching on)."""
+    from vllm.config.kv_events import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.cpu_kvcache_space_gib))
@@ -150,5 +153,7 @@ def engine_args(model: ModelConfig, engine: EngineConfig, *, kv_transfer_config=
         enable_chunked_prefill=engine.enable_chunked_prefill,
         seed=engine.seed,
         kv_transfer_config=kv_transfer_config,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint)
+        if kv_events_endpoint and engine.enable_prefix_caching else None,
         disable_log_stats=True,
     )

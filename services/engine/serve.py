@@ -27,6 +27,7 @@ from services.engine.args import engine_args, kv_transfer_config
 from services.engine import ipc_dir, shm_ledger
 from services.engine.cpus import confine_worker, engine_core_forks, model_in_engine_core
 from services.engine.engine import Engine
+from services.engine.prefix_events import PrefixCacheIndex, follow_engine_events
 from services.engine.worker_state import HandoffSlots, RoleState
 from services.security import GrpcSecurity, KnownPeers, Rejections
 from services.security.peers import decode_kv_targets
@@ -59,6 +60,7 @@ class CallerGuard:
     rejections: Rejections
     roles: RoleState = field(default_factory=lambda: RoleState("both"))
     handoffs: HandoffSlots = field(default_factory=lambda: HandoffSlots(0))
+    prefix_cache: PrefixCacheIndex | None = None  # what the engine's prefix cache holds (WatchPrefixCache)
 
 
 AddServicer = Callable[[Engine, WorkerIdentity, grpc.aio.Server, CallerGuard], str]
@@ -72,12 +74,14 @@ async def serve_worker(
     fork_core = engine_core_forks(model_in_engine_core(config.engine_for(worker).tensor_parallel_size))
     _check_free(worker.host, [worker.port, worker.health_port])
     ipc = ipc_dir.prepare()
+    events_endpoint = f"ipc://{ipc}/kv-events"  # the worker's private directory: no other user connects
     engine = Engine(engine_args(config.model_for(worker), config.engine_for(worker),
-                                kv_transfer_config=kv_transfer_config(config, worker, stats_dir=ipc)),
+                                kv_transfer_config=kv_transfer_config(config, worker, stats_dir=ipc),
+                                kv_events_endpoint=events_endpoint),
                     stats_dir=ipc, fork_core=fork_core)
     ledger = shm_ledger.ledger_path(worker.name, worker.host, worker.port)
     shm_ledger.sweep(ledger)
-    server = probes = None
+    server = probes = events = None
     try:
         # The engine first: vLLM may fork its engine-core process from this one (always on a GPU host,
         # and here where engine_core_forks), which must not have started gRPC's threads by then.
@@ -95,7 +99,10 @@ async def serve_worker(
         freeze_gc_heap()
         security = GrpcSecurity.of(config)
         guard = CallerGuard(decode_kv_targets(config), Rejections(worker.name), RoleState(worker.role),
-                            HandoffSlots(config.router.max_handoffs_per_prefill_worker))
+                            HandoffSlots(config.router.max_handoffs_per_prefill_worker),
+                            PrefixCacheIndex() if config.engine_for(worker).enable_prefix_caching else None)
+        if guard.prefix_cache is not None:  # subscribed before the engine serves anything
+            events = asyncio.create_task(follow_engine_events(guard.prefix_cache, events_endpoint))
         server = grpc.aio.server(options=security.options, interceptors=security.aio_interceptors(guard.rejections))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,6 +119,9 @@ async def serve_worker(
         logger.info("%s %s stopping: draining for up to %.0f s", worker.service, worker.name, grace_s)
         await server.stop(grace_s)
     finally:
+        if events is not None:
+            events.cancel()
+            await asyncio.gather(events, return_exceptions=True)
         if server is not None:
             await server.stop(0)
         if probes is not None:

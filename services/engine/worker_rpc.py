@@ -34,6 +34,23 @@ class WorkerServicer:
     async def GetStats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return stats_message(self._engine, self._identity, self._guard)
 
+    async def WatchPrefixCache(self, request: pb.WatchPrefixCacheRequest, context):
+        """A snapshot of the engine's prefix cache, then its changes; ends RESOURCE_EXHAUSTED when the
+        caller fell ``SUBSCRIBER_QUEUE`` updates behind (it calls again for a new snapshot)."""
+        index = self._guard.prefix_cache
+        if index is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker publishes no prefix cache events "
+                                "(engine.enable_prefix_caching is off)")
+        subscriber, snapshot = index.subscribe()
+        try:
+            for update in snapshot:
+                yield convert.prefix_update_to_proto(update)
+            while not subscriber.overflowed:
+                yield convert.prefix_update_to_proto(await subscriber.updates.get())
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefix cache updates fell behind; call again")
+        finally:
+            index.unsubscribe(subscriber)
+
     async def SetRole(self, request: pb.SetRoleRequest, context) -> pb.RoleState:
         """Compare-and-set of the run-time role: FAILED_PRECONDITION for a stale generation or a worker
         that does not flip, INVALID_ARGUMENT for an unknown role."""

@@ -144,6 +144,11 @@ class RouterMetrics:
                              "1 while a worker drains before a role flip.", ("worker",))
     role_decider = Metric(Gauge, "prfaas_scheduler_role_decider",
                           "1 while this router is the one that makes role decisions (router.role_decisions).")
+    prefix_index_blocks = Metric(Gauge, "prfaas_router_prefix_index_blocks",
+                                 "Prefix-cache blocks a worker's engine holds, as its stream told this router.",
+                                 ("worker",))
+    prefix_index_bytes = Metric(Gauge, "prfaas_router_prefix_index_bytes",
+                                "Memory this router's copy of the workers' prefix caches takes (estimate).")
     binding_stage = Metric(Gauge, "prfaas_scheduler_binding_stage",
                            "1 for the stage the role balancer sees binding (prefill, decode, none).", ("stage",))
     worker_backoff = Metric(Gauge, "prfaas_router_worker_backoff_seconds",

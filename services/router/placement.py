@@ -18,6 +18,7 @@ from services.cache_pool_client.transfer import CrossClusterCopier
 from services.cache_pool_client.types import GroupKind, KvCacheGroup, LookupQuery
 from services.config import DeploymentConfig
 from services.router.metrics import RouterMetrics
+from services.router.prefix_index import PrefixIndex
 from services.router.workers import WorkerPool
 from services.scheduling.affinity import PrefixAffinity
 from services.scheduling.congestion import FixedThreshold, OffloadThreshold
@@ -57,6 +58,7 @@ class Placement:
         # without pools nothing is cached anywhere, so no transfer is ever decided
         self._transfers = transfers or (self._copier(index) if index is not None else None)
         self.affinity = PrefixAffinity()
+        self.prefix_index = PrefixIndex(metrics)
         self._recent_offloads: deque[bool] = deque(maxlen=OFFLOAD_WINDOW)
 
     def _copier(self, index: GlobalCacheIndex) -> CrossClusterCopier:
@@ -86,7 +88,9 @@ class Placement:
             for cluster, num_tokens in cluster_tokens.items():
                 self._metrics.cached_prefix_tokens.labels(cluster).inc(num_tokens)
         workers = [h.name for h in self._pool.handles if h.prefill is not None or h.decode is not None]
+        # exact where the worker streams its prefix cache; the estimate only for workers that do not
         worker_tokens = self.affinity.cached_tokens(workers, block_hashes, self.block_size)
+        worker_tokens.update(self.prefix_index.cached_tokens(workers, token_ids))
         return PromptCache(len(token_ids), cluster_tokens, worker_tokens), block_hashes
 
     @property

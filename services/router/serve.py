@@ -17,6 +17,7 @@ from services.router.dispatch import Dispatcher
 from services.router.leadership import Fixed, KubernetesLease, Leadership
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
+from services.router.prefix_index import PrefixWatch
 from services.router.role_control import RoleControl
 from services.router.threshold_control import ThresholdControl
 from services.router.tokenizer import PromptTokenizer
@@ -78,6 +79,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int, replica: 
     runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
+    prefixes = PrefixWatch(pool, placement.prefix_index, retry_s=config.router.stats_interval_s)
+    prefixes.start()
     if isinstance(leadership, KubernetesLease):
         leadership.start()
     await pool.start()
@@ -90,6 +93,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int, replica: 
         logger.info("router stopping")
     finally:
         await runner.cleanup()
+        await prefixes.close()
         if isinstance(leadership, KubernetesLease):
             await leadership.close()
         await pool.close()

@@ -26,7 +26,7 @@ from services.scheduling.backoff import Backoff, BackoffConfig
 from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.security import GrpcSecurity
 from services.worker_api import convert
-from services.worker_api.types import GenerateInput, TokenDelta, WorkerStats
+from services.worker_api.types import GenerateInput, PrefixUpdate, TokenDelta, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class PrefillFailed(Exception):
 class PrefillBusy(PrefillFailed):
     """The prefill worker refused the hand-off before starting it (RESOURCE_EXHAUSTED: every one of its
     hand-off slots held, by this router or another, or it drains): wait and try again, or go elsewhere."""
+
+
+class PrefixStreamUnavailable(Exception):
+    """A worker's prefix-cache stream could not be opened or ended."""
 
 
 class RoleConflict(Exception):
@@ -571,6 +575,19 @@ class WorkerPool:
             raise RoleConflict(f"worker {handle.name} refused the role change: {exc.code().name}: "
                                f"{exc.details()}") from None
         self._take_role(handle, state.role, state.draining, state.generation)
+
+    async def watch_prefix_cache(self, handle: WorkerHandle) -> AsyncIterator[PrefixUpdate]:
+        """The worker's prefix-cache stream (a snapshot, then deltas); raises PrefixStreamUnavailable when
+        it cannot be opened or ends."""
+        call = handle.stats_stub.WatchPrefixCache(convert.watch_prefix_cache_request())
+        try:
+            async for message in call:
+                yield convert.prefix_update_from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            raise PrefixStreamUnavailable(f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            call.cancel()
+        raise PrefixStreamUnavailable("the stream ended")
 
     @staticmethod
     def _take_role(handle: WorkerHandle, role: str, draining: bool, generation: int) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.worker_api.types import EngineStats, GenerateInput, LinkStats, Sampling, TokenDelta, WorkerStats
+from services.worker_api.types import (EngineStats, GenerateInput, LinkStats, PrefixUpdate, Sampling, TokenDelta,
+                                      WorkerStats)
 from services.kv_connector.params import consume, produce
 from services.kv_connector.snapshot import ConnectorSnapshot
 from services.kv_transport import PeerSnapshot
@@ -150,3 +151,16 @@ def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_t
 
 def stats_request() -> pb.StatsRequest:
     return pb.StatsRequest()
+
+
+def prefix_update_to_proto(update: PrefixUpdate) -> pb.PrefixCacheUpdate:
+    return pb.PrefixCacheUpdate(reset=update.reset, block_size=update.block_size, stored=update.stored,
+                                removed=update.removed)
+
+
+def prefix_update_from_proto(msg: pb.PrefixCacheUpdate) -> PrefixUpdate:
+    return PrefixUpdate(msg.reset, msg.block_size, tuple(msg.stored), tuple(msg.removed))
+
+
+def watch_prefix_cache_request() -> pb.WatchPrefixCacheRequest:
+    return pb.WatchPrefixCacheRequest()

@@ -106,3 +106,14 @@ class WorkerStats:
     num_handoffs: int = 0  # hand-offs open at the worker now, of at most max_handoffs (0: no limit)
     max_handoffs: int = 0
     peak_handoffs: int = 0  # the most held at once since the worker started
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixUpdate:
+    """A change of what a worker's engine holds in its prefix cache (``WatchPrefixCache``): full blocks by
+    their chained hash (``vllm_block_hashes`` at ``block_size``); ``reset``: forget the rest first."""
+
+    reset: bool = False
+    block_size: int = 0
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()

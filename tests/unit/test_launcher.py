@@ -39,6 +39,22 @@ def test_start_up_waits_for_every_pool_and_worker():
                          "decode-0": ("127.0.0.1", 50100), "prefill-0": ("127.0.0.1", 50101)}
 
 
+def test_several_routers_get_consecutive_ports_and_their_replica_numbers():
+    routers = supervisor.children_for(parse_config(RAW), Path("c.yaml"), Path("/logs"), num_routers=3)[-3:]
+    assert [c.name for c in routers] == ["router", "router-1", "router-2"]
+    assert [c.argv[-4:] for c in routers] == [["--port", str(18000 + i), "--replica", str(i)] for i in range(3)]
+    assert [c.log_path for c in routers] == [Path("/logs/router.log"), Path("/logs/router-1.log"),
+                                             Path("/logs/router-2.log")]
+    (alone,) = supervisor.children_for(parse_config(RAW), Path("c.yaml"), Path("/logs"))[-1:]
+    assert "--replica" not in alone.argv  # one router runs as before
+
+
+def test_up_refuses_a_router_count_out_of_range():
+    result = subprocess.run([sys.executable, "-m", "services.cli", "up", "--routers", "0"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "--routers must be between 1 and 16" in result.stderr
+
+
 def test_a_deployment_without_pools_starts_no_pool():
     raw = {key: value for key, value in RAW.items() if key != "cache_pools"}
     assert [c.name for c in supervisor.children_for(parse_config(raw), Path("c.yaml"), Path("."))] == \

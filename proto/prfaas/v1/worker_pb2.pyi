@@ -112,6 +112,22 @@ class RoleState(_message.Message):
     generation: int
     def __init__(self, role: _Optional[str] = ..., draining: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class WatchPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefixCacheUpdate(_message.Message):
+    __slots__ = ("reset", "block_size", "stored", "removed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    block_size: int
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, reset: _Optional[bool] = ..., block_size: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

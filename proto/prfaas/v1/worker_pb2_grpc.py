@@ -51,6 +51,11 @@ class DecodeWorkerStub:
                 request_serializer=prfaas_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_worker__pb2.RoleState.FromString,
                 _registered_method=True)
+        self.WatchPrefixCache = channel.unary_stream(
+                '/prfaas.v1.DecodeWorker/WatchPrefixCache',
+                request_serializer=prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -83,6 +88,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrefixCache(self, request, context):
+        """What the engine's prefix cache holds, from vLLM's KV-cache events read inside the worker: first a
+        snapshot (the first message has reset set; a large one comes in several messages), then deltas as the
+        engine stores and evicts blocks. A subscriber too slow to keep up has its stream ended (RESOURCE_EXHAUSTED)
+        and calls again for a new snapshot. UNIMPLEMENTED or FAILED_PRECONDITION: the worker publishes none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +115,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=prfaas_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_worker__pb2.RoleState.SerializeToString,
+            ),
+            'WatchPrefixCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrefixCache,
+                    request_deserializer=prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -195,6 +215,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prfaas.v1.DecodeWorker/WatchPrefixCache',
+            prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.SerializeToString,
+            prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """A PrfaaS-cluster worker: prefills long prompts and streams their KV to a decode worker.
@@ -216,6 +263,11 @@ class PrefillWorkerStub:
                 request_serializer=prfaas_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.WatchPrefixCache = channel.unary_stream(
+                '/prfaas.v1.PrefillWorker/WatchPrefixCache',
+                request_serializer=prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -235,6 +287,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrefixCache(self, request, context):
+        """As DecodeWorker.WatchPrefixCache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +306,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=prfaas_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'WatchPrefixCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrefixCache,
+                    request_deserializer=prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +368,33 @@ class PrefillWorker:
             '/prfaas.v1.PrefillWorker/GetStats',
             prfaas_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             prfaas_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prfaas.v1.PrefillWorker/WatchPrefixCache',
+            prfaas_dot_v1_dot_worker__pb2.WatchPrefixCacheRequest.SerializeToString,
+            prfaas_dot_v1_dot_worker__pb2.PrefixCacheUpdate.FromString,
             options,
             channel_credentials,
             insecure,

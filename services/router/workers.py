@@ -413,16 +413,15 @@ class WorkerPool:
 
     async def acquire_handoff(self, lease: Lease, request_id: str) -> None:
         """Waits for one of the leased prefill worker's hand-off slots
-        (RouterConfig.max_handoffs_per_prefill_worker). Raises PrefillFailed when the worker stops
-        being usable (failed health checks) while this waits."""
+        (RouterConfig.max_handoffs_per_prefill_worker): this router's own, then the worker's as it
+        reports them. Raises PrefillFailed when the worker stops being usable (failed health checks)
+        or drains while this waits."""
         handle = lease.handle
-        if handle.handoffs is None:
-            return
         gauge = self._metrics.handoffs_waiting.labels(handle.name)
         handle.num_handoffs_waiting += 1
         gauge.set(handle.num_handoffs_waiting)
         try:
-            while True:
+            while handle.handoffs is not None:
                 try:
                     async with asyncio.timeout(self._config.stats_interval_s):
                         await handle.handoffs.acquire()

@@ -348,3 +348,55 @@ def test_a_hand_off_limit_holds_across_two_routers_and_nothing_fails():
     answers, max_open, fallbacks = asyncio.run(main())
     assert max_open == 1
     assert answers == ["remote"] * 6 and fallbacks == 0
+
+
+class DrainingPrefill(HeldWorkers):
+    """A prefill worker that drains for a role flip: it refuses every Prefill (RESOURCE_EXHAUSTED) and says
+    so in its stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_refused = 0
+
+    async def Prefill(self, request, context):
+        self.num_refused += 1
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the worker is draining for a role flip")
+
+    async def GetStats(self, request, context):
+        return wpb.WorkerStats(role="prefill", draining=True, role_generation=2)
+
+
+def test_a_hand_off_refused_by_a_draining_worker_is_prefilled_locally_without_spinning():
+    async def main():
+        security = GrpcSecurity()
+        servicer = DrainingPrefill()
+        decode_server, decode_port = await _serve(servicer, security)
+        prefill_server, prefill_port = await _serve(servicer, security)
+        config = parse_config({
+            "model": {"name": "m", "path": "/m"},
+            "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": 0},
+            "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
+                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+        metrics = RouterMetrics()
+        pool = WorkerPool(config.workers, config.router, metrics, security=security)
+        for handle in pool.handles:
+            handle.healthy = True
+        dispatcher = Dispatcher(pool, config.router, metrics,
+                                Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
+        try:
+            poller = asyncio.create_task(pool._poll_forever())
+            request = GenerateInput("r", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
+            answer = await asyncio.wait_for(_collect(dispatcher.generate(request)), timeout=5)
+            poller.cancel()
+            return answer, servicer.num_refused, metrics.prefill_fallbacks._value.get()
+        finally:
+            await pool.close()
+            await decode_server.stop(0)
+            await prefill_server.stop(0)
+    answer, refused, fallbacks = asyncio.run(main())
+    assert answer == "local" and fallbacks == 1
+    assert refused == 1  # it waited for the next poll, which said the worker drains, instead of asking again
+
+
+async def _collect(deltas) -> str:
+    return "".join([delta.text async for delta in deltas])

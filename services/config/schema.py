@@ -370,7 +370,7 @@ class DeploymentConfig:
         "which secure gRPC and the KV data plane alike), and the lab-only `insecure` opt-out. See "
         "docs/deployment.md, \"Threat model\".")
     transport: dict[str, object] = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `io_threads` "
-                                        "(2), `secret` or `secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/"
+                                        "(1), `secret` or `secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/"
                                         "`tls_ca`, `max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, "
                                         "timeouts; see services/kv_transport/settings.py.")
 

@@ -24,11 +24,11 @@ def _opt(default: _T, help: str) -> _T:
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
     connections_per_peer: int = _opt(8, "TCP connections per peer pair; frames are striped across them.")
-    io_threads: int = _opt(2, "I/O threads per side: a sender drives each peer's connections from this many "
+    io_threads: int = _opt(1, "I/O threads per side: a sender drives each peer's connections from this many "
                            "threads (at most one per connection), a receiver reads its connections from this many "
-                           "(at most 64). The kernel's copies run in parallel on them, so goodput grows with cores "
-                           "up to the link's limit; more threads than free cores only add switches "
-                           "(docs/transport.md).")
+                           "(at most 64). Their copies and checksums run in parallel, so where an end has cores to "
+                           "spare, goodput grows with them up to the link's limit; where it has one (a 2-core host), "
+                           "a second thread costs 15-25% more CPU per GiB, hence 1 (docs/transport.md).")
     frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
                             "blocks up to this size (a single larger block is one frame), so connections share "
                             "a transfer in small units and none holds its tail; a connection whose unsent "

@@ -27,7 +27,8 @@ from _headlines import Result, as_json, last_line, parse, previous_figures, tabl
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # Each a few minutes at most on a 2-core host (router_overhead about 9), in this order (the quick ones first).
-QUICK = ("simulator_speed", "cache_lookup", "cache_bandwidth", "transport_loopback", "hetero_layouts",
+QUICK = ("simulator_speed", "cache_lookup", "cache_bandwidth", "transport_loopback", "transport_scaling",
+         "hetero_layouts",
          "transport_wan", "wire_codec_wan", "layerwise_overlap", "router_overhead", "cache_load_ttft")
 # Run by name only: cancellation (~7 min), chaos (~10), sim_vs_real (17-30), wire_codec_quality (~20),
 # gpu_kv_path (a CUDA host).

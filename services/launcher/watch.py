@@ -16,7 +16,7 @@ from pathlib import Path
 
 from services.config import SupervisorConfig
 from services.launcher.restarts import Restarts, describe_exit
-from services.launcher.supervisor import GROUP_EXIT_S, Child
+from services.launcher.supervisor import GROUP_EXIT_S, ROUTER_STAGE, Child
 
 STATS_FILE = "launcher-stats.json"
 
@@ -33,6 +33,7 @@ class Watch:
         self._restarts = {c.name: Restarts(config) for c in children}
         self._restart_at: dict[str, float] = {}  # services waiting for their restart
         self._kill_at: dict[str, float] = {}     # ... whose leftover processes get SIGKILL then
+        self._retired: set[str] = set()          # routers stopped on purpose while others serve on
         self._write_stats()
 
     def poll(self, now_s: float | None = None) -> str | None:
@@ -42,10 +43,21 @@ class Watch:
         for child in self.children:
             if child.name in self._restart_at:
                 self._restart_when_due(child, now_s)
-            elif child.exited:
+            elif child.exited and child.name not in self._retired:
                 if reason := self._exited(child, now_s):
                     return reason
         return None
+
+    def _router_retired(self, child: Child) -> bool:
+        """One of several routers stopped cleanly (SIGTERM: it drained, exit status 0) while another
+        still serves: the deployment goes on without it (`prfaas up --routers N`)."""
+        others = [c for c in self.children if c.stage == ROUTER_STAGE and c is not child and not c.exited]
+        if child.stage != ROUTER_STAGE or child.process.returncode != 0 or not others:
+            return False
+        self._retired.add(child.name)
+        self._say(f"prfaas: {child.name} stopped (drained, exit status 0); still serving: "
+                  f"{', '.join(c.name for c in others)}")
+        return True
 
     def _exited(self, child: Child, now_s: float) -> str | None:
         how = describe_exit(child.process.returncode)
@@ -55,6 +67,8 @@ class Watch:
             return (f"prfaas: {child.name} exited ({how}) after {restarts.num_restarts} restarts in "
                     f"{self.config.crash_loop_window_s:.0f} s: a crash loop (supervisor.crash_loop_restarts); "
                     f"stopping the deployment. Its last log lines:\n{child.log_tail()}")
+        if decision.kind == "stop" and self._router_retired(child):
+            return None
         if decision.kind == "stop":
             return (f"prfaas: {child.name} exited ({how}; supervisor.restart: {self.config.restart}); stopping "
                     f"the deployment. Its last log lines:\n{child.log_tail()}")

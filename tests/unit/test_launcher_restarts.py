@@ -70,6 +70,24 @@ def test_a_killed_service_is_restarted_after_the_backoff_and_counted(tmp_path):
         supervisor.stop_all([service, other], timeout_s=5)
 
 
+def test_one_of_several_routers_stopped_cleanly_leaves_the_rest_serving_and_the_last_stops_all(tmp_path):
+    """A router drained by SIGTERM exits 0: with another router serving, `prfaas up --routers N` goes on."""
+    routers = [_child(tmp_path, name, code, stage=supervisor.ROUTER_STAGE)
+               for name, code in (("router", "import time; time.sleep(1.0)"), ("router-1", "pass"))]
+    said = []
+    watch = Watch(routers, SupervisorConfig(), tmp_path / "s.json", say=said.append)
+    try:
+        for child in routers:
+            child.start()
+        routers[1].process.wait(5)
+        assert watch.poll() is None and watch.poll() is None
+        assert said == ["prfaas: router-1 stopped (drained, exit status 0); still serving: router"]
+        routers[0].process.wait(5)
+        assert "router exited (exit status 0; supervisor.restart: on-failure); stopping" in (watch.poll() or "")
+    finally:
+        supervisor.stop_all(routers, timeout_s=5)
+
+
 def test_a_crash_loop_stops_the_deployment_with_the_service_log(tmp_path):
     service = _child(tmp_path, "router", "import sys; print('no model here', flush=True); sys.exit(3)")
     watch = Watch([service], SupervisorConfig(restart_backoff_s=0, crash_loop_restarts=2), tmp_path / "s.json",

@@ -172,11 +172,14 @@ class Dispatcher:
     async def _start(self, request: GenerateInput, route: Route, decode: Lease) -> tuple[GenerateCall, TokenDelta]:
         """The call and its first delta; a failed hand-off falls back to a local prefill."""
         if route.prefill is not None:
+            handoff, num_busy = request, 0
             while True:
                 try:
-                    return await self._start_with_handoff(request, route, decode)
+                    return await self._start_with_handoff(handoff, route, decode)
                 except PrefillBusy:  # another router took the worker's last slot: the pool waits for a free one
-                    continue
+                    # a new request and KV transfer id: the decode worker may still hold the cancelled ones
+                    num_busy += 1
+                    handoff = dataclasses.replace(request, request_id=f"{request.request_id}-busy{num_busy}")
                 except PrefillFailed:
                     break
             self._metrics.prefill_fallbacks.inc()

@@ -290,6 +290,17 @@ class SlottedWorkers(HeldWorkers):
         super().__init__()
         self.slots = HandoffSlots(limit)
         self.num_refused = 0
+        self.transfers: set[str] = set()
+
+    async def Generate(self, request, context):
+        """A KV transfer id is used once: the real decode worker drops a cancelled transfer's id for good,
+        and a second request under it would wait for KV that never comes."""
+        if request.HasField("kv_source"):
+            if request.kv_source.transfer_id in self.transfers:
+                await asyncio.Event().wait()
+            self.transfers.add(request.kv_source.transfer_id)
+        async for message in super().Generate(request, context):
+            yield message
 
     async def Prefill(self, request, context):
         try:

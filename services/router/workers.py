@@ -39,7 +39,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # poll's timeout apart) are a hang or a dead link.
 UNANSWERED_POLLS = 2
 MIN_RECHECK_S = 0.25  # a down worker is polled at most this often
-HANDOFF_RECHECK_S = 0.05  # a hand-off waiting for a slot another router holds looks again this often
+HANDOFF_RECHECK_S = 0.05  # a hand-off waiting for a slot another router holds asks the worker again this often
 # The finish reasons of an answer the router stands behind (OpenAI's). Anything else a worker ends a
 # request with (vLLM's "abort" when its engine dropped the request: a worker stopping past its drain,
 # an engine that failed; or "error") is a failure of that worker, never an answer for the client.
@@ -126,6 +126,7 @@ class WorkerHandle:
     num_started_since_poll: int = 0  # requests (leases) this router started on it since its last stats answer
     # The worker refused a hand-off as busy since its last stats answer: wait for the next one.
     handoff_refused: bool = False
+    refresh: asyncio.Future | None = None  # a stats call made for the hand-offs waiting here (shared)
     # Polls in a row that the worker did not answer (health check or stats call failed or timed out):
     # a hung process or a dead link, not a worker that answers NOT_SERVING while it drains.
     num_unanswered_polls: int = 0
@@ -447,6 +448,7 @@ class WorkerPool:
         while handle.handoff_refused or (handle.stats.max_handoffs and handle.stats.num_handoffs
                                          + handle.num_handoffs_since_poll >= handle.stats.max_handoffs):
             await asyncio.sleep(HANDOFF_RECHECK_S)
+            await self._refresh(handle)
             if handle.draining:
                 logger.info("request %s: prefill worker %s drains for a role flip; prefilling locally instead",
                             request_id, handle.name)
@@ -565,6 +567,13 @@ class WorkerPool:
             logger.info("worker %s is %s", handle.name, "healthy" if healthy else "not serving")
         handle.healthy = healthy
         self._export(handle)
+
+    async def _refresh(self, handle: WorkerHandle) -> None:
+        """The worker's stats now rather than at the next full poll (a slot another router freed is seen
+        within HANDOFF_RECHECK_S, not a stats interval): one call at a time, shared by every waiter."""
+        if handle.refresh is None or handle.refresh.done():
+            handle.refresh = asyncio.ensure_future(self._poll(handle))
+        await asyncio.shield(handle.refresh)
 
     async def set_role(self, handle: WorkerHandle, role: str, draining: bool) -> None:
         """Asks the worker to take ``role`` (and drain or not), compare-and-set on the generation this

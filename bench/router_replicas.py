@@ -2,7 +2,7 @@
 round-robin), on the same workers, in one run (`prfaas up --routers 3`).
 
 Workers: one PD-P and two PD-D SmolLM2 engines (every request takes the PD path); role flips on
-with short dwell times (sustain 2 s, dwell 10 s), so the decider (router 0) flips workers during
+with short dwell times (sustain 1 s, dwell 10 s), so the decider (router 0) flips workers during
 both phases. Workload per phase: prompt families sharing a 256-token prefix, each request its
 family's prefix plus a short (32) or long (384) suffix of its own, 16 output tokens, sent at a fixed
 rate in the same order and timing; the two phases use different families (no phase finds the other's
@@ -44,8 +44,8 @@ FAMILIES, PREFIX, SHORT, LONG, OUTPUT = 6, 256, 32, 384, 16
 REQUESTS, RATE = 36, 1.0            # per phase; requests per second
 CACHED_TARGET, TTFT_TOLERANCE = 0.95, 0.10
 PD = (("pd-p", "prefill", "0"), ("pd-d1", "decode", "1"), ("pd-d2", "decode", "0"))
-FLIPS = {"enabled": True, "sustain_s": 2, "min_dwell_s": 10, "max_drain_s": 20, "prefill_queue_low": 0.5,
-         "prefill_queue_high": 1, "decode_utilization_high": 0.6, "decode_utilization_low": 0.3,
+FLIPS = {"enabled": True, "sustain_s": 1, "min_dwell_s": 10, "max_drain_s": 20, "prefill_queue_low": 0.5,
+         "prefill_queue_high": 1, "decode_utilization_high": 0.25, "decode_utilization_low": 0.15,
          "min_workers_per_role": 1}
 
 

@@ -21,6 +21,9 @@ def check_deployment(config: DeploymentConfig) -> None:
     check_cache_pools(config)
     if config.router.max_body_bytes is not None and config.router.max_body_bytes <= 0:
         raise ConfigError(f"router.max_body_bytes: must be positive, got {config.router.max_body_bytes!r}")
+    for name in ("max_sequences_per_request", "max_structured_output_bytes"):
+        if getattr(config.router, name) < 1:
+            raise ConfigError(f"router.{name}: must be at least 1, got {getattr(config.router, name)!r}")
     if config.router.max_handoffs_per_prefill_worker < 0:
         raise ConfigError("router.max_handoffs_per_prefill_worker: must be 0 (no limit) or positive, got "
                           f"{config.router.max_handoffs_per_prefill_worker!r}")

@@ -133,6 +133,12 @@ class RouterConfig:
     lease_duration_s: float = _opt(
         15.0, "With `kubernetes-lease`: a Lease not renewed for this long may be taken by another router; the "
         "holder renews it every third of it and stops deciding once a renewal is this old.")
+    max_sequences_per_request: int = _opt(
+        16, "Most sequences one API request may ask for: a completion's prompts times `n` (each is one worker "
+        "request, admitted on its own); more is answered 400 naming `n`.")
+    max_structured_output_bytes: int = _opt(
+        64 << 10, "Largest structured-output spec (a `response_format` JSON schema, or `structured_outputs` regex, "
+        "choice list or grammar) a request may carry; larger is answered 400.")
     max_body_bytes: int | None = _opt(
         None, "Largest HTTP request body; larger ones are answered 413 before they are read or parsed. Null: "
         "32 bytes per token of `model.max_model_len` plus 1 MiB (room for the longest prompt as JSON text or "

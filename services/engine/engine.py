@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from services.engine.cpus import fork_engine_core
-from services.worker_api.types import EngineStats, GenerateInput, Sampling, TokenDelta
+from services.engine.vllm_plugin import GRAMMAR_PREFIX_KEY
+from services.worker_api.resume import resume_problem, resumed_logit_bias, resumed_min_tokens
+from services.worker_api.types import (STRUCTURED_OUTPUT_KINDS, EngineStats, GenerateInput, LogprobEntry, Sampling,
+                                      StructuredOutput, TokenDelta)
 from services.kv_connector.params import KvTransfer
 from services.kv_connector.stats_file import read_stats
 
@@ -63,7 +67,7 @@ class Engine:
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         self._active.add(request.request_id)
         try:
-            params = sampling_params(request.sampling, request.kv_transfer)
+            params = sampling_params(request.sampling, request.kv_transfer, request.prompt_token_ids)
             async for output in self._llm.generate(prompt, params, request.request_id):
                 yield _delta(output)
         except VLLMClientError as exc:
@@ -129,22 +133,60 @@ def announced_layout(vllm_config: Any) -> bytes:
     return spec.to_bytes()
 
 
-def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None):
+def sampling_params(sampling: Sampling, kv_transfer: KvTransfer | None = None,
+                    prompt_token_ids: Sequence[int] = ()):
+    """vLLM's ``SamplingParams`` for ``sampling``; for a request that moved here (``num_output_prompt_tokens``
+    of ``prompt_token_ids`` generated before), those tokens count as output (services/worker_api/resume.py).
+    Raises ValueError for a move that cannot go on exactly."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    generated = list(prompt_token_ids[len(prompt_token_ids) - sampling.num_output_prompt_tokens:]) \
+        if sampling.num_output_prompt_tokens else []
+    if generated and (problem := resume_problem(sampling)) is not None:
+        raise ValueError(f"this request cannot continue here exactly: {problem}")
+    extra_args = kv_transfer.to_extra_args() if kv_transfer else {}
+    if generated and sampling.structured is not None:
+        extra_args[GRAMMAR_PREFIX_KEY] = generated
     return SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
         seed=sampling.seed,
         stop=list(sampling.stop) or None,
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
-        logprobs=sampling.top_logprobs or None,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        min_tokens=resumed_min_tokens(sampling),
+        logit_bias=resumed_logit_bias(sampling, generated) or None,
+        logprobs=sampling.top_logprobs if sampling.wants_logprobs else None,
+        prompt_logprobs=sampling.prompt_logprobs,
+        structured_outputs=_structured_outputs(sampling.structured),
         output_kind=RequestOutputKind.DELTA,
-        extra_args=kv_transfer.to_extra_args() if kv_transfer else None,
+        extra_args=extra_args or None,
     )
+
+
+def _structured_outputs(structured: StructuredOutput | None):
+    if structured is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if structured.kind == "json":
+        return StructuredOutputsParams(json=json.loads(structured.spec))
+    if structured.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if structured.kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(structured.spec))
+    if structured.kind == "regex":
+        return StructuredOutputsParams(regex=structured.spec)
+    if structured.kind == "grammar":
+        return StructuredOutputsParams(grammar=structured.spec)
+    raise ValueError(f"unknown structured output kind {structured.kind!r}; one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
 
 
 def _delta(output) -> TokenDelta:
@@ -155,14 +197,15 @@ def _delta(output) -> TokenDelta:
         finish_reason=completion.finish_reason if output.finished else None,
         num_prompt_tokens=len(output.prompt_token_ids or ()),
         num_cached_tokens=output.num_cached_tokens or 0,
-        top_logprobs=_top_logprobs(completion.logprobs),
+        top_logprobs=_logprobs(completion.logprobs),
+        prompt_logprobs=_logprobs(output.prompt_logprobs),
     )
 
 
-def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """vLLM's per-token logprobs (a dict of token id to ``Logprob`` per position) as (token id, log
-    probability) pairs, most likely first; () when the request asked for none."""
-    if not logprobs:
+def _logprobs(positions) -> tuple[tuple[LogprobEntry, ...], ...]:
+    """vLLM's per-position logprobs (a dict of token id to ``Logprob``, or None, per position) in vLLM's
+    order: the sampled (or prompt) token first, then the most likely by rank; () when none were asked."""
+    if not positions:
         return ()
-    return tuple(tuple(sorted(((token, entry.logprob) for token, entry in position.items()),
-                              key=lambda pair: -pair[1])) for position in logprobs)
+    return tuple(tuple(LogprobEntry(token, entry.logprob, entry.decoded_token) for token, entry in position.items())
+                 if position else () for position in positions)

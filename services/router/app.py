@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP endpoint (aiohttp on uvloop)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -10,9 +12,10 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.worker_api.types import GenerateInput
+from services.worker_api.types import GenerateInput, TokenDelta
 from services.logs import bind_request_id
 from services.router.admission import QOS_HEADER, AdmissionControl
+from services.router.choices import ChoiceWriter, choice_sampling
 from services.router.dispatch import Dispatcher, NoWorkerAvailable, Plan
 from services.router.drain import Drain, RouterStopping, stopping_error
 from services.router.errors import ApiError, bad_request, invalid_api_key, unavailable
@@ -32,10 +35,13 @@ class RouterApp:
     def __init__(self, *, model_name: str, max_model_len: int, api_keys: frozenset[str],
                  tokenizer: PromptTokenizer, pool: WorkerPool, dispatcher: Dispatcher,
                  metrics: RouterMetrics, admission: AdmissionControl | None = None,
-                 max_body_bytes: int = 64 << 20) -> None:
+                 max_body_bytes: int = 64 << 20, max_sequences: int = 16,
+                 max_structured_bytes: int = 64 << 10) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
+        self.max_sequences = max_sequences
+        self.max_structured_bytes = max_structured_bytes
         self.api_keys = api_keys
         self.tokenizer = tokenizer
         self.pool = pool
@@ -128,18 +134,29 @@ class RouterApp:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
-        api_request = parse_request(await _json_body(request), kind, self.model_name)
+        api_request = parse_request(await _json_body(request), kind, self.model_name, self.tokenizer.vocab_size,
+                                    self.max_structured_bytes)
+        if api_request.num_sequences > self.max_sequences:
+            num_prompts = max(1, len(api_request.prompts))
+            raise bad_request(f"This request asks for {api_request.num_sequences} sequences ({num_prompts} "
+                              f"prompt(s) x n={api_request.n}); at most {self.max_sequences} "
+                              "(router.max_sequences_per_request)", param="n")
         qos = self.admission.qos_class(request.headers.get(QOS_HEADER), _bearer_token(request)) \
             if self.admission else None
-        generate_input = await self._generate_input(api_request, request)
-        bind_request_id(generate_input.request_id)
-        shape = ResponseShape(kind, generate_input.request_id, self.model_name, int(time.time()))
-        plan = await self.drain.until_stopped(self.dispatcher.plan(generate_input))
-        with self._admitted(generate_input, qos, plan):
+        request_id = _request_id(request, api_request.kind)
+        bind_request_id(request_id)
+        jobs = await self._jobs(api_request, request_id)
+        shape = ResponseShape(kind, request_id, self.model_name, int(time.time()))
+        for job in jobs:
+            job.plan = await self.drain.until_stopped(self.dispatcher.plan(job.input))
+        with contextlib.ExitStack() as admitted:
+            for job in jobs:
+                admitted.enter_context(self._admitted(job.input, qos, job.plan))
             try:
+                usage = Usage(sum(job.num_prompt_tokens for job in jobs if job.sample_index == 0))
                 if api_request.stream:
-                    return await self._stream(request, api_request, generate_input, plan, shape, started)
-                return await self._complete(generate_input, plan, shape, started)
+                    return await self._stream(request, api_request, jobs, shape, usage, started)
+                return await self._complete(jobs, shape, usage, started)
             finally:
                 self.metrics.e2e.observe(time.monotonic() - started)
 
@@ -149,68 +166,157 @@ class RouterApp:
         return self.admission.admitted(generate_input.request_id, qos, plan.route,
                                        len(generate_input.prompt_token_ids), generate_input.sampling.max_tokens)
 
-    async def _generate_input(self, api_request: ApiRequest, request: web.Request) -> GenerateInput:
-        prompt_ids = await self.tokenizer.encode(api_request)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1 or (api_request.max_tokens or 1) > room:
-            wanted = api_request.max_tokens or 1
+    async def _jobs(self, api_request: ApiRequest, request_id: str) -> list[_Job]:
+        """One worker request per choice: each prompt (one for chat) times ``n``."""
+        prompts = api_request.prompts or (None,)
+        jobs = []
+        for prompt_index, prompt in enumerate(prompts):
+            one = api_request if prompt is None else dataclasses.replace(api_request, prompt=prompt)
+            prompt_ids = await self.tokenizer.encode(one)
+            self._check_context(api_request, len(prompt_ids))
+            room = self.max_model_len - len(prompt_ids)
+            max_tokens = api_request.max_tokens if api_request.max_tokens is not None else room
+            sampling = with_max_tokens(api_request.sampling, max(max_tokens, 1))  # echo only: one token, not sent
+            prompt_text = "" if not api_request.echo else prompt if isinstance(prompt, str) else \
+                self.tokenizer.decode(prompt_ids)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            for sample_index in range(api_request.n):
+                index = prompt_index * api_request.n + sample_index
+                sub_id = request_id if api_request.num_sequences == 1 else f"{request_id}-{index}"
+                generate_input = GenerateInput(sub_id, prompt_ids, choice_sampling(sampling, sample_index))
+                writer = ChoiceWriter(index, api_request, prompt_ids, prompt_text, self.tokenizer.token_text)
+                jobs.append(_Job(generate_input, writer, sample_index, len(prompt_ids)))
+        return jobs
+
+    def _check_context(self, api_request: ApiRequest, num_prompt_tokens: int) -> None:
+        room = self.max_model_len - num_prompt_tokens
+        wanted = api_request.max_tokens or 1
+        if room < 1 or wanted > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {wanted} for the "
+                "completion).",
                 param="messages" if api_request.kind == "chat" else "prompt", code="context_length_exceeded")
-        prefix = "chatcmpl" if api_request.kind == "chat" else "cmpl"
-        request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
-        sampling = with_max_tokens(api_request.sampling, api_request.max_tokens or room)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return GenerateInput(request_id, prompt_ids, sampling)
 
-    async def _complete(self, generate_input: GenerateInput, plan: Plan, shape: ResponseShape,
-                        started: float) -> web.Response:
-        usage = Usage(len(generate_input.prompt_token_ids))
-        stream = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage)
-
-        async def collect() -> tuple[str, str | None]:
-            texts, finish_reason = [], None
-            async for delta in stream:
-                texts.append(delta.text)
-                finish_reason = delta.finish_reason or finish_reason
-            return "".join(texts), finish_reason
+    async def _complete(self, jobs: list[_Job], shape: ResponseShape, usage: Usage, started: float) -> web.Response:
+        async def collect(job: _Job) -> None:
+            async for delta in _Timed(self.dispatcher.generate(job.input, job.plan), self.metrics, started, usage):
+                job.writer.piece(delta)
 
         try:
-            text, finish_reason = await self.drain.until_stopped(collect())
+            await self.drain.until_stopped(_all([collect(job) for job in jobs]))
         except WorkerFailed as exc:
             raise ApiError(503, str(exc), type="service_unavailable", code="worker_failed") from None
-        return web.json_response(shape.full(text, finish_reason, usage))
+        choices = [shape.choice(job.writer.index, job.writer.text, job.writer.finish_reason, job.writer.logprobs)
+                   for job in jobs]
+        return web.json_response(shape.full(choices, usage))
 
-    async def _stream(self, request: web.Request, api_request: ApiRequest, generate_input: GenerateInput,
-                      plan: Plan, shape: ResponseShape, started: float) -> web.StreamResponse:
-        usage = Usage(len(generate_input.prompt_token_ids))
+    async def _stream(self, request: web.Request, api_request: ApiRequest, jobs: list[_Job], shape: ResponseShape,
+                      usage: Usage, started: float) -> web.StreamResponse:
         include_usage = api_request.include_usage
-        deltas = _Timed(self.dispatcher.generate(generate_input, plan), self.metrics, started, usage).__aiter__()
-        first = await self.drain.until_stopped(deltas.__anext__())
+        streams = [_Timed(self.dispatcher.generate(job.input, job.plan), self.metrics, started, usage).__aiter__()
+                   for job in jobs]
+        try:  # every choice's first delta before the response starts: a refusal is still an HTTP status
+            firsts = await self.drain.until_stopped(_all([stream.__anext__() for stream in streams]))
+        except BaseException:
+            await asyncio.gather(*(stream.aclose() for stream in streams), return_exceptions=True)
+            raise
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         if api_request.kind == "chat":
-            await _send(response, shape.chunk(None, None, include_usage, first=True))
+            for job in jobs:
+                await _send(response, shape.chunk(None, None, include_usage, first=True, index=job.writer.index))
+        merged = _Merged(jobs, streams, firsts)
         try:
-            delta = first
-            while True:
-                if delta.text or delta.finish_reason:
-                    await _send(response, shape.chunk(delta.text, delta.finish_reason, include_usage))
-                if delta.finish_reason:
-                    break
-                delta = await self.drain.until_stopped(deltas.__anext__())
+            while (item := await self.drain.until_stopped(merged.next())) is not None:
+                job, delta = item
+                text, logprobs = job.writer.piece(delta)
+                if text or delta.finish_reason or (logprobs is not None and delta.token_ids):
+                    await _send(response, shape.chunk(text, delta.finish_reason, include_usage, index=job.writer.index,
+                                                      logprobs=logprobs))
         except WorkerFailed as exc:
             await _send(response, ApiError(503, str(exc), type="service_unavailable", code="worker_failed").body())
         except RouterStopping:  # past router.drain_timeout_s: the client learns its answer is cut
             await _send(response, stopping_error().body())
         finally:
-            await deltas.aclose()
+            await merged.close()
         if include_usage:
             await _send(response, shape.usage_chunk(usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    """One choice's worker request, its writer, and its routing decision (``Dispatcher.plan``)."""
+
+    input: GenerateInput
+    writer: ChoiceWriter
+    sample_index: int
+    num_prompt_tokens: int
+    plan: Plan | None = None
+
+
+class _Merged:
+    """The choices' delta streams as one, in arrival order; each stream's first delta is given."""
+
+    def __init__(self, jobs: list[_Job], streams: list, firsts: list[TokenDelta]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = len(jobs)
+        self._tasks = [asyncio.ensure_future(self._pump(job, stream, first))
+                       for job, stream, first in zip(jobs, streams, firsts)]
+        self._streams = streams
+
+    async def _pump(self, job: _Job, stream, first: TokenDelta) -> None:
+        delta = first
+        try:
+            while True:
+                self._queue.put_nowait((job, delta, None))
+                if delta.finish_reason:
+                    break
+                delta = await stream.__anext__()
+        except StopAsyncIteration:
+            pass
+        except Exception as exc:  # handed to the reader, which raises it
+            self._queue.put_nowait((job, None, exc))
+            return
+        self._queue.put_nowait((job, None, None))
+
+    async def next(self) -> tuple[_Job, TokenDelta] | None:
+        """The next delta of any choice; None once every choice has ended."""
+        while self._open:
+            job, delta, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                self._open -= 1
+                continue
+            return job, delta
+        return None
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(stream.aclose() for stream in self._streams), return_exceptions=True)
+
+
+async def _all(awaitables: list) -> list:
+    """Every result, or the first error with the rest cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _request_id(request: web.Request, kind: str) -> str:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
 
 
 class _Timed:

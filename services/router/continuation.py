@@ -13,8 +13,11 @@ themselves, and this module carries them:
   string that began before the move and ends after it is not its to find: ``StopScan`` looks for stop
   strings in the held text plus the new worker's output, holding back the same margin vLLM does.
 
-Greedy requests continue token-exact. A seeded sampling request continues with a valid sample, but
-not the one an uninterrupted run would have drawn: the new engine's random stream starts over.
+Greedy requests continue token-exact. The new worker counts the moved tokens as output for
+penalties, ``min_tokens`` and structured outputs (``Sampling.num_output_prompt_tokens``,
+services/worker_api/resume.py); a request whose settings cannot go on exactly (presence penalty,
+frequency penalty with a repetition penalty, seeded sampling) does not move: its stream ends with an
+error event naming the reason (``resume_problem``).
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ class Continuation:
         if self.num_remaining_tokens <= 0:
             return None
         self.num_moves += 1
-        sampling = dataclasses.replace(self.request.sampling, max_tokens=self.num_remaining_tokens)
+        sampling = dataclasses.replace(self.request.sampling, max_tokens=self.num_remaining_tokens,
+                                       prompt_logprobs=None, num_output_prompt_tokens=len(self.token_ids))
         return GenerateInput(f"{self.request.request_id}-m{self.num_moves}",
                              list(self.request.prompt_token_ids) + self.token_ids, sampling)
 

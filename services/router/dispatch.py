@@ -21,6 +21,7 @@ from services.router.admission import PrefillQueues
 from services.router.continuation import Continuation, Detokenize, StopScan
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
+from services.worker_api.resume import resume_problem
 from services.router.workers import (GenerateCall, Lease, PrefillBusy, PrefillFailed, WorkerError, WorkerFailed,
                                      WorkerPool, WorkerRejected, WorkerUnavailable)
 from services.scheduling.placement import PromptCache, Route
@@ -106,6 +107,10 @@ class Dispatcher:
         if progress.num_moves >= self._config.max_migrations:
             self._metrics.migrations.labels(failure.reason, "limit").inc()
             raise failure
+        if progress.token_ids and (problem := resume_problem(progress.request.sampling)) is not None:
+            self._metrics.migrations.labels(failure.reason, "inexact").inc()
+            raise WorkerFailed(f"{failure}; the request cannot move to another worker exactly: {problem}",
+                               failure.reason, "")
         following = progress.next_input()
         if following is None:
             self._metrics.migrations.labels(failure.reason, "finished").inc()
@@ -200,7 +205,10 @@ class Dispatcher:
             await self._pool.acquire_handoff(prefill, request.request_id)
             await prefill.acquire_stream()
             self._metrics.routed.labels(route.path).inc()
-            consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
+            # prompt logprobs come from the prefill worker, which computes every prompt position (asked of the
+            # decode worker, they would make vLLM compute the prompt again instead of reading the streamed KV)
+            consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id),
+                                           sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
             call = self._pool.generate(decode, consumer)
             prefill_call = self._pool.prefill(prefill, request, decode.handle)  # owns the lease from here
         except BaseException:
@@ -208,6 +216,8 @@ class Dispatcher:
             raise
         try:
             first = await call.first(prefill_call)
+            if request.sampling.prompt_logprobs is not None:
+                first = dataclasses.replace(first, prompt_logprobs=await prefill_call.prompt_logprobs())
         except BaseException:
             call.cancel()
             prefill_call.cancel()

@@ -29,21 +29,29 @@ class ResponseShape:
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.body()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage.body()}
+    def full(self, choices: list[dict], usage: Usage) -> dict:
+        """``choices``: from ``choice`` (in index order)."""
+        object_name = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._head(object_name), "choices": choices, "usage": usage.body()}
 
-    def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool, first: bool = False) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+               message: dict | None = None) -> dict:
+        """One choice of a full response; ``message`` replaces the chat message built from ``text``."""
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            message = message or {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool, first: bool = False,
+              index: int = 0, logprobs: dict | None = None, delta: dict | None = None) -> dict:
+        """One stream chunk of choice ``index``; ``delta`` replaces the chat delta built from ``text``."""
+        if self.kind == "chat":
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if include_usage:
             body["usage"] = None

@@ -67,6 +67,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int, replica: 
         model_name=config.model.name,
         max_model_len=config.model.max_model_len,
         max_body_bytes=config.router.body_limit(config.model.max_model_len),
+        max_sequences=config.router.max_sequences_per_request,
+        max_structured_bytes=config.router.max_structured_output_bytes,
         api_keys=api_keys(config),
         tokenizer=tokenizer,
         pool=pool,

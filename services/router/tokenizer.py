@@ -25,6 +25,14 @@ class PromptTokenizer:
             return list(request.prompt)
         return await asyncio.to_thread(self._encode_sync, request)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a prompt given as token ids (an echoed prompt), special tokens kept."""
+        return self._tokenizer.decode(list(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, where a worker sent none (vLLM's server decodes it the same way)."""
+        return self._tokenizer.decode([token_id])
+
     def continuation_text(self, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:
         """The text of ``new_ids`` when they follow ``context_ids`` (as the engine's detokenizer writes
         it, special tokens skipped): what a decode worker that failed mid-stream may not have sent."""
@@ -37,7 +45,7 @@ class PromptTokenizer:
     def _encode_sync(self, request: ApiRequest) -> list[int]:
         if request.kind == "chat":
             text = self._tokenizer.apply_chat_template(
-                list(request.messages), tokenize=False, add_generation_prompt=True
+                list(request.messages), tokenize=False, add_generation_prompt=True, tools=list(request.tools) or None
             )
             return self._tokenizer.encode(text, add_special_tokens=False)
         return self._tokenizer.encode(request.prompt)

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from prfaas.v1 import worker_pb2 as pb
 
-from services.worker_api.types import (EngineStats, GenerateInput, LinkStats, PrefixUpdate, Sampling, TokenDelta,
-                                      WorkerStats)
+from services.worker_api.types import (EngineStats, GenerateInput, LinkStats, LogprobEntry, PrefixUpdate, Sampling,
+                                      StructuredOutput, TokenDelta, WorkerStats)
 from services.kv_connector.params import consume, produce
 from services.kv_connector.snapshot import ConnectorSnapshot
 from services.kv_transport import PeerSnapshot
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
+    structured = msg.structured_output
     return Sampling(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
@@ -20,10 +21,22 @@ def sampling_from_proto(msg: pb.SamplingParams) -> Sampling:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         top_logprobs=msg.top_logprobs,
+        logprobs=msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured=StructuredOutput(structured.kind, structured.spec) if structured.kind else None,
+        num_output_prompt_tokens=msg.num_output_prompt_tokens,
     )
 
 
 def sampling_to_proto(sampling: Sampling) -> pb.SamplingParams:
+    structured = sampling.structured
     return pb.SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -33,6 +46,17 @@ def sampling_to_proto(sampling: Sampling) -> pb.SamplingParams:
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         top_logprobs=sampling.top_logprobs,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
+        min_tokens=sampling.min_tokens,
+        logit_bias=dict(sampling.logit_bias),
+        structured_output=pb.StructuredOutput(kind=structured.kind, spec=structured.spec) if structured else None,
+        num_output_prompt_tokens=sampling.num_output_prompt_tokens,
     )
 
 
@@ -60,8 +84,22 @@ def prefill_input_from_proto(msg: pb.PrefillRequest) -> GenerateInput:
     """A prefill is a one-token generation; with a target, its KV streams there."""
     transfer = (produce(msg.transfer_id or msg.request_id, msg.kv_target, max(1, msg.kv_target_tp_size))
                 if msg.kv_target else None)
-    return GenerateInput(msg.request_id, list(msg.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0),
+    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+    return GenerateInput(msg.request_id, list(msg.prompt_token_ids),
+                         Sampling(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs),
                          kv_transfer=transfer)
+
+
+def logprobs_to_proto(positions: tuple[tuple[LogprobEntry, ...], ...]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=[e.token_id for e in entries], logprobs=[e.logprob for e in entries],
+                           tokens=[e.token or "" for e in entries] if any(e.token is not None for e in entries)
+                           else []) for entries in positions]
+
+
+def logprobs_from_proto(positions) -> tuple[tuple[LogprobEntry, ...], ...]:
+    return tuple(tuple(LogprobEntry(token_id, logprob, top.tokens[i] if top.tokens else None)
+                       for i, (token_id, logprob) in enumerate(zip(top.token_ids, top.logprobs)))
+                 for top in positions)
 
 
 def delta_to_proto(delta: TokenDelta) -> pb.GenerateResponse:
@@ -71,8 +109,8 @@ def delta_to_proto(delta: TokenDelta) -> pb.GenerateResponse:
         finish_reason=delta.finish_reason or "",
         num_prompt_tokens=delta.num_prompt_tokens,
         num_cached_tokens=delta.num_cached_tokens,
-        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
-                      for top in delta.top_logprobs],
+        top_logprobs=logprobs_to_proto(delta.top_logprobs),
+        prompt_logprobs=logprobs_to_proto(delta.prompt_logprobs),
     )
 
 
@@ -83,7 +121,8 @@ def delta_from_proto(msg: pb.GenerateResponse) -> TokenDelta:
         finish_reason=msg.finish_reason or None,
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
-        top_logprobs=tuple(tuple(zip(top.token_ids, top.logprobs)) for top in msg.top_logprobs),
+        top_logprobs=logprobs_from_proto(msg.top_logprobs),
+        prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs),
     )
 
 
@@ -146,7 +185,8 @@ def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_t
     """The PrfaaS prefill of ``request``, streaming its KV to ``kv_target`` (an engine of
     ``kv_target_tp_size`` ranks) under the request's id."""
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size)
+                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size,
+                             prompt_logprobs=request.sampling.prompt_logprobs)
 
 
 def stats_request() -> pb.StatsRequest:

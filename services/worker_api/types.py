@@ -9,6 +9,19 @@ from services.kv_connector.snapshot import ConnectorSnapshot
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output, compiled by vLLM's structured-output backend (xgrammar by default):
+    ``kind`` "json" (``spec``: a JSON schema, as JSON text), "json_object" (any JSON object; ``spec``
+    empty), "regex", "choice" (``spec``: a JSON list of strings) or "grammar" (EBNF / Lark text)."""
+
+    kind: str
+    spec: str = ""
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     max_tokens: int
     temperature: float = 1.0
@@ -18,6 +31,24 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # the most likely tokens to report at each generated position (MAX_TOP_LOGPROBS)
+    logprobs: bool = False  # report each generated token's own log probability (with top_logprobs: those too)
+    prompt_logprobs: int | None = None  # per prompt token: its log probability and this many most likely
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    structured: StructuredOutput | None = None
+    # The prompt's last this-many tokens were generated for this request by an earlier worker (a request
+    # that moved, services/router/continuation.py): penalties, min_tokens and the grammar count them as
+    # output, as an uninterrupted run would (services/worker_api/resume.py).
+    num_output_prompt_tokens: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default `max_logprobs`
@@ -32,6 +63,16 @@ class GenerateInput:
 
 
 @dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One token's natural-log probability at a position, under the model's raw distribution (before
+    penalties, temperature or top_p, as vLLM reports it), with the engine's text of the token."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     """New output of one engine step; ``finish_reason`` is set on the last one."""
 
@@ -40,9 +81,12 @@ class TokenDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    # per token in ``token_ids`` when asked for (``Sampling.top_logprobs``): (token id, log probability)
-    # pairs, most likely first
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # per token in ``token_ids`` when asked for (``Sampling.wants_logprobs``): the position's entries in
+    # vLLM's order (the sampled token first, then the most likely by rank; the sampled token once)
+    top_logprobs: tuple[tuple[LogprobEntry, ...], ...] = ()
+    # per prompt token, on the first delta only, when asked for (``Sampling.prompt_logprobs``); the first
+    # position has none (an empty tuple)
+    prompt_logprobs: tuple[tuple[LogprobEntry, ...], ...] = ()
 
 
 @dataclass(slots=True)

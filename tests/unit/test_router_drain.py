@@ -15,8 +15,13 @@ from support.ports import free_port
 
 
 class _Tokenizer:
+    vocab_size = 100
+
     async def encode(self, request) -> list[int]:
         return [1, 2, 3]
+
+    def token_text(self, token_id: int) -> str:
+        return f"<{token_id}>"
 
 
 class _Dispatcher:

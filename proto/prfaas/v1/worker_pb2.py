@@ -24,47 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/worker.proto\x12\tprfaas.v1\"\xb4\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\rB\x07\n\x05_seed\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.prfaas.v1.KvSource\"\x1f\n\x08KvSource\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xae\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.prfaas.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x19\n\x11kv_target_tp_size\x18\x05 \x01(\r\"`\n\x0fPrefillResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"M\n\x0eSetRoleRequest\x12\x1b\n\x13\x65xpected_generation\x18\x01 \x01(\x04\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"?\n\tRoleState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\x19\n\x17WatchPrefixCacheRequest\"W\n\x11PrefixCacheUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\xc7\x06\n\x0bWorkerStats\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x1b\n\x13num_active_requests\x18\n \x01(\r\x12(\n\x08kv_links\x18\x0b \x03(\x0b\x32\x16.prfaas.v1.KvLinkStats\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_frames_rejected\x18\r \x01(\x04\x12\x1e\n\x16kv_connections_refused\x18\x0e \x01(\x04\x12\x1d\n\x15kv_pool_tokens_loaded\x18\x0f \x01(\x04\x12\x1d\n\x15kv_pool_tokens_stored\x18\x10 \x01(\x04\x12\x1c\n\x14kv_pool_loads_failed\x18\x11 \x01(\x04\x12\x1d\n\x15kv_pool_stores_failed\x18\x12 \x01(\x04\x12?\n\rgrpc_rejected\x18\x13 \x03(\x0b\x32(.prfaas.v1.WorkerStats.GrpcRejectedEntry\x12\x13\n\x0blayout_spec\x18\x14 \x01(\x0c\x12\x1b\n\x13kv_protocol_version\x18\x15 \x01(\r\x12\x1e\n\x16kv_transfers_receiving\x18\x16 \x01(\r\x12\x1c\n\x14kv_transfers_sending\x18\x17 \x01(\r\x12\x10\n\x08\x64raining\x18\x18 \x01(\x08\x12\x17\n\x0frole_generation\x18\x19 \x01(\x04\x12\x14\n\x0cnum_handoffs\x18\x1a \x01(\r\x12\x14\n\x0cmax_handoffs\x18\x1b \x01(\r\x12\x15\n\rpeak_handoffs\x18\x1c \x01(\r\x1a\x33\n\x11GrpcRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xfc\x01\n\x0bKvLinkStats\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0etransfers_sent\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x13\n\x0bgoodput_bps\x18\x06 \x01(\x01\x12\x13\n\x0bretransmits\x18\x07 \x01(\x04\x12\x0e\n\x06rtt_ms\x18\x08 \x01(\x01\x12\x15\n\rcwnd_segments\x18\t \x01(\x04\x12\x19\n\x11\x64\x65livery_rate_bps\x18\n \x01(\x01\x12\x18\n\x10send_cpu_seconds\x18\x0b \x01(\x01\x32\xa6\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x1b.prfaas.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats\x12:\n\x07SetRole\x12\x19.prfaas.v1.SetRoleRequest\x1a\x14.prfaas.v1.RoleState\x12V\n\x10WatchPrefixCache\x12\".prfaas.v1.WatchPrefixCacheRequest\x1a\x1c.prfaas.v1.PrefixCacheUpdate0\x01\x32\xe6\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x1a.prfaas.v1.PrefillResponse\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats\x12V\n\x10WatchPrefixCache\x12\".prfaas.v1.WatchPrefixCacheRequest\x1a\x1c.prfaas.v1.PrefixCacheUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16prfaas/v1/worker.proto\x12\tprfaas.v1\"\xe1\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x0b \x01(\r\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.prfaas.v1.SamplingParams.LogitBiasEntry\x12\x36\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1b.prfaas.v1.StructuredOutput\x12 \n\x18num_output_prompt_tokens\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.prfaas.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.prfaas.v1.KvSource\"\x1f\n\x08KvSource\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xdf\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12,\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x16.prfaas.v1.TopLogprobs\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.prfaas.v1.TopLogprobs\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tkv_target\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x19\n\x11kv_target_tp_size\x18\x05 \x01(\r\"\x91\x01\n\x0fPrefillResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12/\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x16.prfaas.v1.TopLogprobs\"M\n\x0eSetRoleRequest\x12\x1b\n\x13\x65xpected_generation\x18\x01 \x01(\x04\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"?\n\tRoleState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\x19\n\x17WatchPrefixCacheRequest\"W\n\x11PrefixCacheUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\xc7\x06\n\x0bWorkerStats\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x1b\n\x13num_active_requests\x18\n \x01(\r\x12(\n\x08kv_links\x18\x0b \x03(\x0b\x32\x16.prfaas.v1.KvLinkStats\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_frames_rejected\x18\r \x01(\x04\x12\x1e\n\x16kv_connections_refused\x18\x0e \x01(\x04\x12\x1d\n\x15kv_pool_tokens_loaded\x18\x0f \x01(\x04\x12\x1d\n\x15kv_pool_tokens_stored\x18\x10 \x01(\x04\x12\x1c\n\x14kv_pool_loads_failed\x18\x11 \x01(\x04\x12\x1d\n\x15kv_pool_stores_failed\x18\x12 \x01(\x04\x12?\n\rgrpc_rejected\x18\x13 \x03(\x0b\x32(.prfaas.v1.WorkerStats.GrpcRejectedEntry\x12\x13\n\x0blayout_spec\x18\x14 \x01(\x0c\x12\x1b\n\x13kv_protocol_version\x18\x15 \x01(\r\x12\x1e\n\x16kv_transfers_receiving\x18\x16 \x01(\r\x12\x1c\n\x14kv_transfers_sending\x18\x17 \x01(\r\x12\x10\n\x08\x64raining\x18\x18 \x01(\x08\x12\x17\n\x0frole_generation\x18\x19 \x01(\x04\x12\x14\n\x0cnum_handoffs\x18\x1a \x01(\r\x12\x14\n\x0cmax_handoffs\x18\x1b \x01(\r\x12\x15\n\rpeak_handoffs\x18\x1c \x01(\r\x1a\x33\n\x11GrpcRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xfc\x01\n\x0bKvLinkStats\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x13\n\x0b\x63onnections\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0etransfers_sent\x18\x04 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x04\x12\x13\n\x0bgoodput_bps\x18\x06 \x01(\x01\x12\x13\n\x0bretransmits\x18\x07 \x01(\x04\x12\x0e\n\x06rtt_ms\x18\x08 \x01(\x01\x12\x15\n\rcwnd_segments\x18\t \x01(\x04\x12\x19\n\x11\x64\x65livery_rate_bps\x18\n \x01(\x01\x12\x18\n\x10send_cpu_seconds\x18\x0b \x01(\x01\x32\xa6\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.prfaas.v1.GenerateRequest\x1a\x1b.prfaas.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats\x12:\n\x07SetRole\x12\x19.prfaas.v1.SetRoleRequest\x1a\x14.prfaas.v1.RoleState\x12V\n\x10WatchPrefixCache\x12\".prfaas.v1.WatchPrefixCacheRequest\x1a\x1c.prfaas.v1.PrefixCacheUpdate0\x01\x32\xe6\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.prfaas.v1.PrefillRequest\x1a\x1a.prfaas.v1.PrefillResponse\x12;\n\x08GetStats\x12\x17.prfaas.v1.StatsRequest\x1a\x16.prfaas.v1.WorkerStats\x12V\n\x10WatchPrefixCache\x12\".prfaas.v1.WatchPrefixCacheRequest\x1a\x1c.prfaas.v1.PrefixCacheUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prfaas.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._loaded_options = None
   _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=218
-  _globals['_GENERATEREQUEST']._serialized_start=221
-  _globals['_GENERATEREQUEST']._serialized_end=369
-  _globals['_KVSOURCE']._serialized_start=371
-  _globals['_KVSOURCE']._serialized_end=402
-  _globals['_GENERATERESPONSE']._serialized_start=405
-  _globals['_GENERATERESPONSE']._serialized_end=579
-  _globals['_TOPLOGPROBS']._serialized_start=581
-  _globals['_TOPLOGPROBS']._serialized_end=631
-  _globals['_PREFILLREQUEST']._serialized_start=634
-  _globals['_PREFILLREQUEST']._serialized_end=763
-  _globals['_PREFILLRESPONSE']._serialized_start=765
-  _globals['_PREFILLRESPONSE']._serialized_end=861
-  _globals['_SETROLEREQUEST']._serialized_start=863
-  _globals['_SETROLEREQUEST']._serialized_end=940
-  _globals['_ROLESTATE']._serialized_start=942
-  _globals['_ROLESTATE']._serialized_end=1005
-  _globals['_WATCHPREFIXCACHEREQUEST']._serialized_start=1007
-  _globals['_WATCHPREFIXCACHEREQUEST']._serialized_end=1032
-  _globals['_PREFIXCACHEUPDATE']._serialized_start=1034
-  _globals['_PREFIXCACHEUPDATE']._serialized_end=1121
-  _globals['_STATSREQUEST']._serialized_start=1123
-  _globals['_STATSREQUEST']._serialized_end=1137
-  _globals['_WORKERSTATS']._serialized_start=1140
-  _globals['_WORKERSTATS']._serialized_end=1979
-  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_start=1928
-  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_end=1979
-  _globals['_KVLINKSTATS']._serialized_start=1982
-  _globals['_KVLINKSTATS']._serialized_end=2234
-  _globals['_DECODEWORKER']._serialized_start=2237
-  _globals['_DECODEWORKER']._serialized_end=2531
-  _globals['_PREFILLWORKER']._serialized_start=2534
-  _globals['_PREFILLWORKER']._serialized_end=2764
+  _globals['_SAMPLINGPARAMS']._serialized_end=647
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=547
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=595
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=649
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=695
+  _globals['_GENERATEREQUEST']._serialized_start=698
+  _globals['_GENERATEREQUEST']._serialized_end=846
+  _globals['_KVSOURCE']._serialized_start=848
+  _globals['_KVSOURCE']._serialized_end=879
+  _globals['_GENERATERESPONSE']._serialized_start=882
+  _globals['_GENERATERESPONSE']._serialized_end=1105
+  _globals['_TOPLOGPROBS']._serialized_start=1107
+  _globals['_TOPLOGPROBS']._serialized_end=1173
+  _globals['_PREFILLREQUEST']._serialized_start=1176
+  _globals['_PREFILLREQUEST']._serialized_end=1305
+  _globals['_PREFILLRESPONSE']._serialized_start=1308
+  _globals['_PREFILLRESPONSE']._serialized_end=1453
+  _globals['_SETROLEREQUEST']._serialized_start=1455
+  _globals['_SETROLEREQUEST']._serialized_end=1532
+  _globals['_ROLESTATE']._serialized_start=1534
+  _globals['_ROLESTATE']._serialized_end=1597
+  _globals['_WATCHPREFIXCACHEREQUEST']._serialized_start=1599
+  _globals['_WATCHPREFIXCACHEREQUEST']._serialized_end=1624
+  _globals['_PREFIXCACHEUPDATE']._serialized_start=1626
+  _globals['_PREFIXCACHEUPDATE']._serialized_end=1713
+  _globals['_STATSREQUEST']._serialized_start=1715
+  _globals['_STATSREQUEST']._serialized_end=1729
+  _globals['_WORKERSTATS']._serialized_start=1732
+  _globals['_WORKERSTATS']._serialized_end=2571
+  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_start=2520
+  _globals['_WORKERSTATS_GRPCREJECTEDENTRY']._serialized_end=2571
+  _globals['_KVLINKSTATS']._serialized_start=2574
+  _globals['_KVLINKSTATS']._serialized_end=2826
+  _globals['_DECODEWORKER']._serialized_start=2829
+  _globals['_DECODEWORKER']._serialized_end=3123
+  _globals['_PREFILLWORKER']._serialized_start=3126
+  _globals['_PREFILLWORKER']._serialized_end=3356
 # @@protoc_insertion_point(module_scope)

@@ -32,6 +32,11 @@ class ModelConfig:
     dtype: str = _opt("auto", "Weight and activation dtype passed to vLLM. `auto`: the checkpoint's on GPUs; on "
                       "CPUs bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX) or the model has "
                       "linear-attention layers, float32 elsewhere (emulated bfloat16 runs ~8x slower).")
+    tool_parser: str | None = _opt(
+        None, "vLLM tool parser that reads the model's own tool calls for `tool_choice` `auto` (vLLM's "
+        "`--tool-call-parser`; e.g. `hermes` for `<tool_call>{...}</tool_call>`, `llama3_json`, `mistral`, "
+        "`qwen3_xml`; `prfaas up` refuses a name this vLLM does not offer and lists those it does). Null: `auto` "
+        "returns the text as content. Named and `required` tool choices work either way.")
 
 
 @dataclass(frozen=True, slots=True)

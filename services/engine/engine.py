@@ -186,6 +186,8 @@ def _structured_outputs(structured: StructuredOutput | None):
         return StructuredOutputsParams(regex=structured.spec)
     if structured.kind == "grammar":
         return StructuredOutputsParams(grammar=structured.spec)
+    if structured.kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=structured.spec)
     raise ValueError(f"unknown structured output kind {structured.kind!r}; one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,6 +24,7 @@ from services.router.metrics import RouterMetrics
 from services.router.openai_api import ApiRequest, parse_request, with_max_tokens
 from services.router.responses import ResponseShape, Usage
 from services.router.tokenizer import PromptTokenizer
+from services.router.tools import ToolCalls
 from services.router.workers import WorkerError, WorkerFailed, WorkerPool, WorkerRejected
 from services.scheduling.admission import QosClass
 
@@ -36,12 +38,15 @@ class RouterApp:
                  tokenizer: PromptTokenizer, pool: WorkerPool, dispatcher: Dispatcher,
                  metrics: RouterMetrics, admission: AdmissionControl | None = None,
                  max_body_bytes: int = 64 << 20, max_sequences: int = 16,
-                 max_structured_bytes: int = 64 << 10) -> None:
+                 max_structured_bytes: int = 64 << 10, tool_calls: ToolCalls | None = None) -> None:
+        """``tool_calls``: how tool-call requests are answered (default: no tool parser, ``model.tool_parser``
+        unset)."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
         self.max_sequences = max_sequences
         self.max_structured_bytes = max_structured_bytes
+        self.tool_calls = tool_calls or ToolCalls(None, Path())
         self.api_keys = api_keys
         self.tokenizer = tokenizer
         self.pool = pool
@@ -145,6 +150,12 @@ class RouterApp:
             if self.admission else None
         request_id = _request_id(request, api_request.kind)
         bind_request_id(request_id)
+        if api_request.kind == "chat" and api_request.uses_tools:
+            structured = await asyncio.to_thread(self.tool_calls.structured, api_request.body, api_request.tools,
+                                                 api_request.tool_choice)
+            if structured is not None:
+                api_request = dataclasses.replace(api_request, sampling=dataclasses.replace(
+                    api_request.sampling, structured=structured))
         jobs = await self._jobs(api_request, request_id)
         shape = ResponseShape(kind, request_id, self.model_name, int(time.time()))
         for job in jobs:
@@ -156,7 +167,7 @@ class RouterApp:
                 usage = Usage(sum(job.num_prompt_tokens for job in jobs if job.sample_index == 0))
                 if api_request.stream:
                     return await self._stream(request, api_request, jobs, shape, usage, started)
-                return await self._complete(jobs, shape, usage, started)
+                return await self._complete(api_request, jobs, shape, usage, started)
             finally:
                 self.metrics.e2e.observe(time.monotonic() - started)
 
@@ -198,7 +209,8 @@ class RouterApp:
                 "completion).",
                 param="messages" if api_request.kind == "chat" else "prompt", code="context_length_exceeded")
 
-    async def _complete(self, jobs: list[_Job], shape: ResponseShape, usage: Usage, started: float) -> web.Response:
+    async def _complete(self, api_request: ApiRequest, jobs: list[_Job], shape: ResponseShape, usage: Usage,
+                        started: float) -> web.Response:
         async def collect(job: _Job) -> None:
             async for delta in _Timed(self.dispatcher.generate(job.input, job.plan), self.metrics, started, usage):
                 job.writer.piece(delta)
@@ -207,9 +219,19 @@ class RouterApp:
             await self.drain.until_stopped(_all([collect(job) for job in jobs]))
         except WorkerFailed as exc:
             raise ApiError(503, str(exc), type="service_unavailable", code="worker_failed") from None
-        choices = [shape.choice(job.writer.index, job.writer.text, job.writer.finish_reason, job.writer.logprobs)
-                   for job in jobs]
+        choices = []
+        for job in jobs:
+            writer, message, finish_reason = job.writer, None, job.writer.finish_reason
+            if api_request.kind == "chat" and api_request.uses_tools:
+                content, calls, finish_reason = await self._parse_tool_calls(api_request, writer)
+                message = {"role": "assistant", "content": content, "tool_calls": [call.body() for call in calls]}
+            choices.append(shape.choice(writer.index, writer.text, finish_reason, writer.logprobs, message=message))
         return web.json_response(shape.full(choices, usage))
+
+    async def _parse_tool_calls(self, api_request: ApiRequest, writer: ChoiceWriter):
+        """(content, calls, finish_reason) of a finished tool-call choice (services/router/tools.py)."""
+        return await asyncio.to_thread(self.tool_calls.parse, writer.text, writer.token_ids, writer.finish_reason,
+                                       api_request.body, api_request.tool_choice, api_request.tools)
 
     async def _stream(self, request: web.Request, api_request: ApiRequest, jobs: list[_Job], shape: ResponseShape,
                       usage: Usage, started: float) -> web.StreamResponse:
@@ -231,6 +253,11 @@ class RouterApp:
             while (item := await self.drain.until_stopped(merged.next())) is not None:
                 job, delta = item
                 text, logprobs = job.writer.piece(delta)
+                if api_request.kind == "chat" and api_request.uses_tools:  # sent whole once parsed
+                    if delta.finish_reason:
+                        await _send(response, await self._tool_call_chunk(api_request, job.writer, shape,
+                                                                          include_usage))
+                    continue
                 if text or delta.finish_reason or (logprobs is not None and delta.token_ids):
                     await _send(response, shape.chunk(text, delta.finish_reason, include_usage, index=job.writer.index,
                                                       logprobs=logprobs))
@@ -245,6 +272,16 @@ class RouterApp:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+    async def _tool_call_chunk(self, api_request: ApiRequest, writer: ChoiceWriter, shape: ResponseShape,
+                               include_usage: bool) -> dict:
+        content, calls, finish_reason = await self._parse_tool_calls(api_request, writer)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.body(index=i) for i, call in enumerate(calls)]
+        return shape.chunk(None, finish_reason, include_usage, index=writer.index, logprobs=writer.logprobs,
+                           delta=delta)
 
 
 @dataclasses.dataclass(slots=True)

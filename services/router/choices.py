@@ -38,6 +38,7 @@ class ChoiceWriter:
             if api_request.kind == "completion" and api_request.logprobs is not None else None
         self._chat_top = api_request.logprobs if api_request.kind == "chat" else None
         self.texts: list[str] = []
+        self.token_ids: list[int] = []  # the generated ones
         self.finish_reason: str | None = None
         self._logprobs: dict | None = None
 
@@ -48,6 +49,7 @@ class ChoiceWriter:
     def piece(self, delta: TokenDelta) -> tuple[str, dict | None]:
         """The text and logprobs of ``delta`` as sent to the client; also kept for ``text``/``logprobs``."""
         text, token_ids, positions = delta.text, list(delta.token_ids), list(delta.top_logprobs)
+        self.token_ids.extend(token_ids)
         if self._echo_only:  # max_tokens 0: the engine made one token, which is not the client's
             text, token_ids, positions = "", [], []
         if self._echo:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from services.worker_api.types import MAX_TOP_LOGPROBS, Sampling, StructuredOutput
@@ -20,6 +20,8 @@ UNSUPPORTED = (
     ("function_call", lambda v: v in (None, "none", "auto"),
      "the legacy 'function_call' field is not supported; use 'tool_choice'"),
     ("use_beam_search", lambda v: not v, "beam search is not supported"),
+    *((name, lambda v: v is None, "removed in vLLM 0.32 (its server ignores it); use 'structured_outputs' or "
+       "'response_format'") for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
 )
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -42,6 +44,11 @@ class ApiRequest:
     logprobs: int | None = None  # completions: the int; chat: top_logprobs when logprobs is true, else None
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None  # "none", "auto", "required" or {"type": "function", ...}
+    body: dict | None = None  # a tool request's body, as vLLM's tool parsers read it
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def num_sequences(self) -> int:
@@ -73,12 +80,16 @@ def parse_request(body: Any, kind: Literal["chat", "completion"], served_model: 
     if max_tokens == 0 and stream:
         raise bad_request("'max_tokens' 0 (echo only) is not supported with streaming", param="max_tokens")
     sampling = _sampling(body, kind, logprobs, echo, vocab_size, max_structured_bytes)
+    if n > 1 and sampling.temperature == 0:
+        raise bad_request(f"'n' must be 1 when using greedy sampling (temperature 0), got {n}", param="n")
     if max_tokens is not None and sampling.min_tokens > max(max_tokens, 1):
         raise bad_request(f"'min_tokens' ({sampling.min_tokens}) must be at most 'max_tokens' ({max_tokens})",
                           param="min_tokens")
     if tool_choice not in (None, "none", "auto") and sampling.structured is not None:
-        raise bad_request("'tool_choice' 'required' or a named function cannot be combined with 'response_format' "
-                          "or 'structured_outputs'", param="tool_choice")
+        raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
+                          "'response_format' or 'structured_outputs'", param="tool_choice")
+    if tools and tool_choice is None:
+        tool_choice = "auto"  # as vLLM's server reads tools without a tool_choice
     return ApiRequest(
         kind=kind,
         model=model,
@@ -94,6 +105,7 @@ def parse_request(body: Any, kind: Literal["chat", "completion"], served_model: 
         logprobs=logprobs,
         tools=tools,
         tool_choice=tool_choice,
+        body=body if tools else None,
     )
 
 
@@ -101,8 +113,6 @@ MAX_N = 16
 
 
 def with_max_tokens(sampling: Sampling, max_tokens: int) -> Sampling:
-    from dataclasses import replace
-
     return replace(sampling, max_tokens=max_tokens)
 
 
@@ -305,7 +315,36 @@ def _message(message: Any, index: int) -> dict:
     role = message.get("role")
     if role not in MESSAGE_ROLES:
         raise bad_request(f"'{param}.role' must be one of {', '.join(MESSAGE_ROLES)}", param=f"{param}.role")
-    return {"role": "system" if role == "developer" else role, "content": _content(message.get("content"), param)}
+    out = {"role": "system" if role == "developer" else role, "content": _content(message.get("content"), param)}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(message["tool_calls"], param)
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(message["tool_call_id"])
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant message's tool calls as chat templates take them (arguments as an object where they
+    are JSON text, as vLLM's server passes them)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{param}.tool_calls' must be a list", param=f"{param}.tool_calls")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"'{param}.tool_calls[{i}].function.name' is required",
+                              param=f"{param}.tool_calls[{i}]")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _content(content: Any, param: str) -> str:

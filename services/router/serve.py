@@ -11,6 +11,7 @@ from aiohttp import web
 from services.cache_pool_client.index import GlobalCacheIndex
 from services.config import DeploymentConfig
 from services.engine.args import resolve_model_path
+from services.router.tools import ToolCalls
 from services.router.admission import AdmissionControl, PrefillQueues
 from services.router.app import RouterApp
 from services.router.dispatch import Dispatcher
@@ -40,6 +41,8 @@ async def serve_router(config: DeploymentConfig, host: str, port: int, replica: 
     """``replica``: this router's number among several in front of the same workers (0 for one)."""
     metrics = RouterMetrics()
     tokenizer = await asyncio.to_thread(PromptTokenizer, resolve_model_path(config.model))
+    tool_calls = ToolCalls(config.model.tool_parser, resolve_model_path(config.model))
+    tool_calls.check()
     scheduler = config.scheduler
     pool = WorkerPool(config.workers, config.router, metrics,
                       BackoffConfig(scheduler.worker_backoff_s, scheduler.max_worker_backoff_s),
@@ -75,6 +78,7 @@ async def serve_router(config: DeploymentConfig, host: str, port: int, replica: 
         dispatcher=dispatcher,
         metrics=metrics,
         admission=admission,
+        tool_calls=tool_calls,
     )
     if stats := os.environ.get(LAUNCHER_STATS):
         metrics.read_launcher_stats(stats)

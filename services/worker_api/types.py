@@ -12,13 +12,14 @@ from services.kv_connector.snapshot import ConnectorSnapshot
 class StructuredOutput:
     """A constraint on the output, compiled by vLLM's structured-output backend (xgrammar by default):
     ``kind`` "json" (``spec``: a JSON schema, as JSON text), "json_object" (any JSON object; ``spec``
-    empty), "regex", "choice" (``spec``: a JSON list of strings) or "grammar" (EBNF / Lark text)."""
+    empty), "regex", "choice" (``spec``: a JSON list of strings), "grammar" (EBNF / Lark text) or
+    "structural_tag" (vLLM's structural tag as JSON text: what its tool parsers constrain calls with)."""
 
     kind: str
     spec: str = ""
 
 
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)

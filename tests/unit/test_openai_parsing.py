@@ -146,5 +146,16 @@ def test_tools_and_tool_choice():
     request = parse_request(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), "chat",
                             MODEL)
     assert request.tools == tuple(tools) and request.tool_choice == {"type": "function", "function": {"name": "f"}}
-    assert parse_request(chat(tools=tools), "chat", MODEL).tool_choice is None
+    assert parse_request(chat(tools=tools, tool_choice="none"), "chat", MODEL).tool_choice == "none"
     assert parse_request(chat(tools=tools, tool_choice="required"), "chat", MODEL).tool_choice == "required"
+
+
+def test_greedy_sampling_has_one_choice_and_removed_guided_fields_are_refused():
+    with pytest.raises(ApiError, match="greedy") as excinfo:
+        parse_request(chat(n=2, temperature=0), "chat", MODEL)
+    assert excinfo.value.param == "n"
+    with pytest.raises(ApiError, match="removed in vLLM 0.32") as excinfo:
+        parse_request(chat(guided_choice=["a", "b"]), "chat", MODEL)
+    assert excinfo.value.param == "guided_choice"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_request(chat(tools=tools), "chat", MODEL).tool_choice == "auto"

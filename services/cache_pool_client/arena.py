@@ -190,7 +190,8 @@ class ArenaMapping:
 def copy_runs(sources: Sequence, targets: Sequence[np.ndarray]) -> None:
     """Copy the concatenation of ``sources`` into the concatenation of ``targets`` (equal lengths).
     A source is a flat uint8 array, or a piece that copies itself: ``copy_into(target, start)`` writes
-    its bytes ``[start, start + len(target))`` (e.g. from device memory, ``kv_connector.device``)."""
+    its bytes ``[start, start + len(target))`` (e.g. from device memory, ``kv_connector.pool.copies``).
+    A piece with a ``batch`` only records its targets: the writer calls ``batch.flush()`` afterwards."""
     if sum(len(s) for s in sources) != sum(len(t) for t in targets):
         raise ValueError("copy between buffers of different total sizes")
     si = ti = s_off = t_off = 0

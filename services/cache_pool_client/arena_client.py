@@ -140,6 +140,17 @@ def _write(mapping: ArenaMapping, layout: ArenaLayout, blocks: Sequence[Block], 
         mapping.write(layout, convert.arena_block(ref, layout.slot_bytes), pieces_of(block.data))
 
     copy_each(write, [(b, ref) for b, ref in zip(blocks, refs, strict=True) if ref.slots])  # no slots: nothing to write
+    for batch in _deferred(blocks):
+        batch.flush()
+
+
+def _deferred(blocks: Sequence[Block]) -> list:
+    """The batches of pieces that only record their targets in ``copy_into`` (device memory,
+    ``kv_connector.pool.copies``): each copies them all in one ``flush``, which returns once the bytes
+    are in place. Not reached when a write failed, so nothing is in flight when the Put aborts."""
+    batches = {id(part.batch): part.batch for block in blocks for part in pieces_of(block.data)
+               if hasattr(part, "batch")}
+    return list(batches.values())
 
 
 def _layout(mapping: ArenaMapping, message: pb.ArenaLayout) -> ArenaLayout:

@@ -406,8 +406,8 @@ def test_pool_stores_and_loads_never_synchronize_the_engine_thread(pool_server, 
 
 def test_pieces_of_device_memory_go_straight_into_the_arena(pool_server, tmp_path):
     """The CUDA store path on the CPU stand-in: each block's pieces copy themselves into the arena's
-    slots after their gather's event (``DevicePiece``), with no bytes joined on the way."""
-    from services.kv_connector.pool.copies import DevicePiece, PinnedRegion
+    slots after their gather's event (``DeviceRows``), with no bytes joined on the way."""
+    from services.kv_connector.pool.copies import DeviceRows, PinnedRegion
     from services.kv_connector.device.streams import CpuEvent, Device
 
     device = Device("cpu")
@@ -416,14 +416,17 @@ def test_pieces_of_device_memory_go_straight_into_the_arena(pool_server, tmp_pat
     io = PoolIO(f"127.0.0.1:{pool_server(pool, name='pool-local').port}", lookup_timeout_s=2.0)
     try:
         hashes = tuple(prompt_block_hashes(list(range(2 * BLOCK)), BLOCK))
-        layers = [torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(7, dtype=torch.float32)]
-        expected = b"".join(t.view(torch.uint8).numpy().tobytes() for t in layers)
-        pieces = Pieces(tuple(DevicePiece(t, CpuEvent(), device) for t in layers))
-        assert len(pieces) == len(expected) and bytes(pieces) == expected
-        assert io.start_put("tiny/1", lambda: [Block(1, hashes[0], pieces)]).result(5).num_blocks_stored == 1
+        layers = [torch.randn(2, 3, 5, dtype=torch.bfloat16), torch.randn(2, 7, dtype=torch.float32)]
+        rows = torch.cat([t.reshape(2, -1).view(torch.uint8) for t in layers], dim=1)
+        expected = [rows[k].numpy().tobytes() for k in range(2)]
+        batch = DeviceRows(rows, CpuEvent(), device)
+        blocks = [Block(1, hashes[k], Pieces((batch.row(k),))) for k in range(2)]
+        assert [bytes(b.data) for b in blocks] == expected
+        assert io.start_put("tiny/1", lambda: blocks).result(5).num_blocks_stored == 2
         assert pool.stats.arena_slots > 0
-        [block] = io.start_get("tiny/1", [(1, hashes[0])]).result(5)
-        assert bytes(block.data) == expected
+        got = io.start_get("tiny/1", [(1, hashes[0]), (1, hashes[1])]).result(5)
+        assert [bytes(block.data) for block in got] == expected
+        block = got[0]
         assert not PinnedRegion(device, block.data.mapping.address, 1 << 20).holds(block.data.mapping.address)
     finally:
         io.close()

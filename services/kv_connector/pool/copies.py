@@ -2,12 +2,16 @@
 process maps (``cache_pool_client.arena``).
 
 Stores: the step's blocks are gathered on the compute stream, in order after the forward that wrote
-them and before anything that may reuse them, into a device tensor, block-major (a block's layers
-back to back). Each block goes to the pool client as one ``DevicePiece``, which the client's copy
-threads write straight into the arena's slots: after the gather's event, device-to-host copies on a
-side stream (``POOL``) into the arena, registered as pinned memory (``PinnedRegion``, on the pool's
-I/O thread), so each run is one DMA, one sync per block, and no step waits for them. On CPU a block
-is a numpy view of the gathered copy and the client copies it as any buffer.
+them and before anything that may reuse them, into a device tensor, block-major (row ``k``: block
+``k``'s layers back to back). Each block goes to the pool client as one ``DevicePiece`` of that
+tensor (``DeviceRows.row``). The client's copy threads tell each piece which arena slots its bytes
+go to (``copy_into`` only records them); once every block has its slots, the Put flushes the batch
+(``DeviceRows.flush``): on a side stream (``POOL``), after the gather's event (a stream wait, not a
+host wait), one ``non_blocking`` device-to-host copy per run that is contiguous both in the gathered
+tensor and in the arena (``contiguous_runs``: blocks leased adjacent slots in prompt order make one
+run), into the arena registered as pinned memory (``PinnedRegion``, on the pool's I/O thread), and
+one wait for them all, on the pool's thread, before the Put commits. No step waits for any of it.
+On CPU a block is a numpy view of the gathered copy and the client copies it as any buffer.
 
 Loads: the pool worker hands the arena's bytes to a ``BlockLoader`` (``consumer``) whose pinned
 memory includes the arena: host-to-device copies on its side streams, and a load counts as done only
@@ -16,6 +20,7 @@ once its copies completed (then its blocks are checked for eviction during the c
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,42 +33,97 @@ logger = logging.getLogger(__name__)
 POOL = 3  # the side stream of device-to-host copies into the pool's arena (0-2: saver and loader)
 
 
-class DevicePiece:
-    """A contiguous run of bytes on the device (one block of a Put, every layer's share of it), copied
-    out by the pool client's copy threads run by run into arena slots (``copy_into``): each run is
-    issued on the ``POOL`` side stream without a wait, after ``ready`` (the gathers' event), and the
-    stream is synchronized once, after the block's last run (so once per block, not per slot)."""
+class DeviceRows:
+    """A Put's gathered blocks on the device (``rows``: one row of bytes per block), copied into the
+    pool's arena as one batch: ``row(k)`` is block ``k``'s piece; the pieces' ``copy_into`` record
+    where their bytes go, and ``flush`` issues and waits for the copies. The client calls ``flush``
+    once every block's pieces were given their slots (``arena_client.put``); a Put that fails before
+    that issues nothing, so its slots can be given back at once."""
 
-    __slots__ = ("data", "ready", "device")
-
-    def __init__(self, data: torch.Tensor, ready: Any, device: Device) -> None:
-        self.data = data.reshape(-1).view(torch.uint8)
+    def __init__(self, rows: torch.Tensor, ready: Any, device: Device) -> None:
+        self.rows = rows
+        self.data = rows.reshape(-1).view(torch.uint8)
         self.ready = ready
         self.device = device
+        self._targets: list[tuple[int, np.ndarray]] = []
+        self._lock = threading.Lock()
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
+    def row(self, k: int) -> "DevicePiece":
+        size = self.data.numel() // self.rows.shape[0]
+        return DevicePiece(self, k * size, size)
+
+    def record(self, start: int, target: np.ndarray) -> None:
+        """Bytes ``[start, start + len(target))`` of ``data`` go to ``target`` (host memory) at ``flush``."""
+        with self._lock:
+            self._targets.append((start, target))
+
+    def flush(self) -> None:
+        """On the pool's copy thread: one ``non_blocking`` copy per contiguous run of the recorded
+        targets, on the ``POOL`` side stream after the gathers' event; returns once they completed."""
+        with self._lock:
+            targets, self._targets = self._targets, []
+        if not targets:
+            return
+        self.device.bind_thread()
+        stream = self.device.side_stream(POOL)
+        stream.wait_event(self.ready)
+        with self.device.use(stream):
+            for start, target in contiguous_runs(targets):
+                torch.from_numpy(target).copy_(self.data[start:start + len(target)], non_blocking=True)
+        done = self.device.event()
+        done.record(stream)
+        done.synchronize()
+
+
+class DevicePiece:
+    """One block's bytes in a ``DeviceRows`` (every layer's share of it), as the pool client's
+    ``Pieces`` part: ``copy_into`` records its targets in the batch (``batch.flush`` copies)."""
+
+    __slots__ = ("batch", "start", "nbytes")
+
+    def __init__(self, batch: DeviceRows, start: int, nbytes: int) -> None:
+        self.batch = batch
+        self.start = start
+        self.nbytes = nbytes
 
     def __len__(self) -> int:
-        return self.data.numel()
+        return self.nbytes
 
     def copy_into(self, target: np.ndarray, start: int) -> None:
-        """Bytes ``[start, start + len(target))`` into ``target`` (host memory; pinned: one DMA). The
-        client copies a piece's runs in order, on one thread."""
-        if start == 0:
-            self.device.bind_thread()
-            self.ready.synchronize()
-        stream = self.device.side_stream(POOL)
-        with self.device.use(stream):
-            torch.from_numpy(target).copy_(self.data[start:start + len(target)], non_blocking=True)
-        if start + len(target) == self.nbytes:
-            stream.synchronize()
+        """Bytes ``[start, start + len(target))`` of the piece go to ``target`` when the batch flushes."""
+        self.batch.record(self.start + start, target)
 
     def __bytes__(self) -> bytes:
         """For a pool on another host (the bytes go over its transport)."""
-        self.ready.synchronize()
-        return self.data.cpu().numpy().tobytes()
+        self.batch.ready.synchronize()
+        return self.batch.data[self.start:self.start + self.nbytes].cpu().numpy().tobytes()
+
+
+def contiguous_runs(targets: list[tuple[int, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
+    """``(source offset, host target)`` pairs joined where both sides continue the previous pair's
+    bytes: the source at the next offset, the target the next bytes of the same 1-D byte array (the
+    arena's mapping), so each run is one copy."""
+    runs: list[tuple[int, np.ndarray]] = []
+    for start, target in sorted(targets, key=lambda pair: pair[0]):
+        if runs and _continues(*runs[-1], start, target):
+            first, previous = runs[-1]
+            runs[-1] = (first, _joined(previous, target))
+        else:
+            runs.append((start, target))
+    return runs
+
+
+def _continues(start: int, previous: np.ndarray, next_start: int, target: np.ndarray) -> bool:
+    base = previous.base
+    return (start + len(previous) == next_start and isinstance(base, np.ndarray) and target.base is base
+            and base.ndim == 1 and base.itemsize == 1
+            and previous.ctypes.data + len(previous) == target.ctypes.data)
+
+
+def _joined(previous: np.ndarray, target: np.ndarray) -> np.ndarray:
+    base = previous.base
+    offset = previous.ctypes.data - base.ctypes.data
+    return base[offset:offset + len(previous) + len(target)]
 
 
 class PinnedRegion:

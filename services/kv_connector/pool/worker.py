@@ -4,8 +4,8 @@ them back in. Every method runs on the engine thread; the pool I/O runs on ``Poo
 Stores gather the step's new blocks right after the forward (``store``, from ``wait_for_save``), on
 the compute stream, so vLLM may reuse them at once; the Put happens in the background and copies
 each block of each layer straight from that copy into the pool's arena (``Pieces``: never joined
-into ``bytes``; on CUDA ``device.pool_copies.DevicePiece``, a device-to-host DMA into the arena
-registered as pinned memory), and a failed Put is logged and counted, nothing more. Loads Get in the
+into ``bytes``; on CUDA ``pool.copies.DeviceRows``: one device-to-host DMA per contiguous run of the
+arena, registered as pinned memory), and a failed Put is logged and counted, nothing more. Loads Get in the
 background; a finished Get's blocks go from the arena's slots into the request's blocks through a
 ``BlockLoader`` (on CUDA host-to-device copies on side streams, the arena pinned), and once the
 copies completed each block is checked (a block evicted while being copied fails the load). A failed
@@ -27,7 +27,7 @@ from services.cache_pool_client.types import Block, Pieces
 from services.kv_connector.device import DEFAULT_SLOT_BYTES
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.streams import Device
-from services.kv_connector.pool.copies import DevicePiece, PinnedRegion
+from services.kv_connector.pool.copies import DeviceRows, PinnedRegion
 from services.kv_connector.layouts.pages import NULL_BLOCK, KVLayout, LayerInfo, state_block_at
 from services.kv_connector.metadata import PoolLoadSpec, PoolStoreSpec, PrfaasConnectorMetadata
 from services.kv_connector.pool.io import PoolModel, failure_text
@@ -140,10 +140,11 @@ class PoolWorker:
 
     def _blocks(self, spec: PoolStoreSpec, copies: dict[int, torch.Tensor], ready) -> list[Block]:
         """Runs on the I/O thread. In prompt order: each block's groups, then the state at the end. On
-        CUDA each block is one ``DevicePiece``."""
+        CUDA each block is one ``DevicePiece`` of its group's batch (one copy per contiguous arena run)."""
+        batches = {group: DeviceRows(rows, ready, self._device) for group, rows in copies.items()}
+
         def piece(group: int, k: int) -> Pieces:
-            row = copies[group][k]
-            return Pieces((DevicePiece(row, ready, self._device) if self._device.is_cuda else row.numpy(),))
+            return Pieces((batches[group].row(k) if self._device.is_cuda else copies[group][k].numpy(),))
 
         blocks = [Block(group, block_hash, piece(group, k))
                   for k, (_, block_hash) in enumerate(spec.blocks) for group in self.model.full_group_ids

@@ -12,7 +12,8 @@ with ``save_kv_layer`` after each layer, then ``wait_for_save`` and ``get_transf
 end of the step (``post_forward``). A consumer rank runs idle steps, ``on_metadata`` (where
 ``start_load_kv`` runs: a no-op in this connector, loads are applied in ``get_transfer_results``) and
 ``get_transfer_results``, until its request is reported. Settings are the deployed ones: host rings
-of ``host_ring_bytes`` (256 MiB), transport frames of 512 KiB, 8 connections per peer, over loopback.
+of the device's default sizes (``host_ring_bytes`` unset: a 1 GiB saver ring on CUDA, 256 MiB
+otherwise), transport frames of 512 KiB, 8 connections per peer, over loopback.
 
 Cases: TP 1 -> 1 for each layout, TP 1 -> 2 and 2 -> 1 (head slices), fp8 and int8 on the wire (the
 reference is the codec applied to the sent blocks), the cache pool's store (a forward that stores its
@@ -224,7 +225,7 @@ def step_time(ranks: list[Rank], meta_of, connected: bool, device: torch.device)
     return on_threads([lambda r=r: (r.prefill(meta_of(r), connected), compute_done(device)) for r in ranks])
 
 
-def settings_for(codec: str, listen_port: int | None, ring_bytes: int) -> ConnectorSettings:
+def settings_for(codec: str, listen_port: int | None, ring_bytes: int | None) -> ConnectorSettings:
     transport = {"secret": SECRET, "codec": codec, "connections_per_peer": 8, "frame_bytes": 512 << 10}
     return ConnectorSettings(listen_port=listen_port, transport=transport, code_sends=codec != "none",
                              host_ring_bytes=ring_bytes)
@@ -514,7 +515,8 @@ def main() -> int:
     parser.add_argument("--ffn", type=int, help="MLP inner width (default 14336 on cuda, 256 on cpu)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"of: {', '.join(CASES)}")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ring-bytes", type=int, default=256 << 20, help="host_ring_bytes (the deployed default)")
+    parser.add_argument("--ring-bytes", type=int, help="host_ring_bytes (default: unset, the device's defaults, "
+                        "docs/gpu.md)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu")

@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 
-from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
+from services.kv_connector.device import DEFAULT_SLOT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,10 @@ class ConnectorSettings:
     # (stats_file.py); None: the telemetry rides on vLLM's connector stats, which need engine steps.
     stats_dir: str | None = None
     # Pinned host memory per direction for KV between the cache and the transport (docs/gpu.md sizes
-    # it): a full ring makes a save wait, it never allocates. Slots hold at least one block.
-    host_ring_bytes: int = DEFAULT_RING_BYTES
+    # it): a full ring makes a save wait, it never allocates. Slots hold at least one block. None: the
+    # device's defaults (``device.save_ring_bytes`` / ``receive_ring_bytes``: 1 GiB / 256 MiB on CUDA,
+    # 256 MiB on CPU).
+    host_ring_bytes: int | None = None
     host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES
     # Code the attention KV this engine sends with the codec its peer agreed on (`transport.codec`): set
     # for the PrfaaS cluster's workers, whose KV crosses the inter-datacenter link; others send raw.

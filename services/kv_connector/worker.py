@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.kv_connector.consumer import IDLE_WAIT_S, Consumer, ReceiveSettings, TransferResults
-from services.kv_connector.device import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES
+from services.kv_connector.device import DEFAULT_SLOT_BYTES, receive_ring_bytes, save_ring_bytes
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.producer import LayerSaver
 from services.kv_connector.device.ring import HostRing
@@ -36,11 +36,12 @@ __all__ = ["PrfaasConnectorWorker", "TransferResults", "WorkerSettings"]
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """``host_ring_bytes``: pinned host memory per direction; ``host_ring_slot_bytes``: the saver's
+    """``host_ring_bytes``: pinned host memory per direction (None: the device's defaults,
+    ``device.save_ring_bytes`` / ``receive_ring_bytes``); ``host_ring_slot_bytes``: the saver's
     slots (at least one block or state page of any layer is used)."""
     receive: ReceiveSettings = field(default_factory=ReceiveSettings)
     send: SendSettings = field(default_factory=SendSettings)
-    host_ring_bytes: int = DEFAULT_RING_BYTES
+    host_ring_bytes: int | None = None
     host_ring_slot_bytes: int = DEFAULT_SLOT_BYTES
 
 
@@ -71,13 +72,14 @@ class PrfaasConnectorWorker:
         device = self._device_of(caches[0].device if caches else "cpu")
         largest = max((layout.payload_bytes(layer, 1) for layer in layout.layers.values()), default=0)
         slot_bytes = max(self._settings.host_ring_slot_bytes, largest)
-        num_slots = max(2, self._settings.host_ring_bytes // slot_bytes)
+        num_slots = max(2, save_ring_bytes(self._settings.host_ring_bytes, device.is_cuda) // slot_bytes)
         save_ring = HostRing(device, slot_bytes, num_slots)
         self._rings = [save_ring]
         receive_ring = None
         if device.is_cuda:
             frame_bytes = min(max(self._settings.send.frame_bytes, largest), slot_bytes)
-            receive_ring = HostRing(device, frame_bytes, max(2, self._settings.host_ring_bytes // frame_bytes))
+            receive_ring = HostRing(device, frame_bytes, max(2, receive_ring_bytes(self._settings.host_ring_bytes)
+                                                             // frame_bytes))
             self._rings.append(receive_ring)
         loader = BlockLoader(device, slot_bytes, receive_ring)
         if receive_ring is not None:

@@ -11,3 +11,18 @@ out, ``consumer`` copies received blocks in. docs/gpu.md says which stream and t
 # half an 8B-class layer of an 8K-token prefill per slot.
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_SLOT_BYTES = 16 << 20
+# The saver's ring on CUDA when ``host_ring_bytes`` is not set: one whole 8K-token prefill of an
+# 8B-class model (1 GiB in ~130 ms on an H100, faster than any link drains it), so a prefill waits
+# for the network only when the previous one has not left yet (docs/gpu.md, "Defaults on CUDA and why").
+CUDA_SAVE_RING_BYTES = 1 << 30
+
+
+def save_ring_bytes(configured: int | None, is_cuda: bool) -> int:
+    """The saver's ring: ``host_ring_bytes`` when set, else the device's default."""
+    return configured or (CUDA_SAVE_RING_BYTES if is_cuda else DEFAULT_RING_BYTES)
+
+
+def receive_ring_bytes(configured: int | None) -> int:
+    """The receiver's ring (CUDA only): ``host_ring_bytes`` when set, else the CPU default, which
+    holds more than one engine step's worth of frames at any link rate measured here."""
+    return configured or DEFAULT_RING_BYTES

@@ -77,8 +77,6 @@ def parse_request(body: Any, kind: Literal["chat", "completion"], served_model: 
     logprobs = _logprobs(body, kind)
     tools, tool_choice = _tools(body) if kind == "chat" else ((), None)
     prompts = _prompts(body, vocab_size) if kind == "completion" else ()
-    if max_tokens == 0 and stream:
-        raise bad_request("'max_tokens' 0 (echo only) is not supported with streaming", param="max_tokens")
     sampling = _sampling(body, kind, logprobs, echo, vocab_size, max_structured_bytes)
     if n > 1 and sampling.temperature == 0:
         raise bad_request(f"'n' must be 1 when using greedy sampling (temperature 0), got {n}", param="n")

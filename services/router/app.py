@@ -249,11 +249,19 @@ class RouterApp:
             for job in jobs:
                 await _send(response, shape.chunk(None, None, include_usage, first=True, index=job.writer.index))
         merged = _Merged(jobs, streams, firsts)
+        tool_streams = await self._tool_streams(api_request, jobs)
         try:
             while (item := await self.drain.until_stopped(merged.next())) is not None:
                 job, delta = item
                 text, logprobs = job.writer.piece(delta)
-                if api_request.kind == "chat" and api_request.uses_tools:  # sent whole once parsed
+                if job.writer.index in tool_streams:  # vLLM's parser makes the deltas
+                    message, finish_reason = tool_streams[job.writer.index].feed(text, list(delta.token_ids),
+                                                                                 delta.finish_reason)
+                    if message is not None or finish_reason or logprobs is not None:
+                        await _send(response, shape.chunk(None, finish_reason, include_usage, index=job.writer.index,
+                                                          logprobs=logprobs, delta=message or {}))
+                    continue
+                if api_request.kind == "chat" and api_request.uses_tools:  # no parser: sent whole once read
                     if delta.finish_reason:
                         await _send(response, await self._tool_call_chunk(api_request, job.writer, shape,
                                                                           include_usage))
@@ -273,6 +281,17 @@ class RouterApp:
         await response.write_eof()
         return response
 
+
+    async def _tool_streams(self, api_request: ApiRequest, jobs: list[_Job]) -> dict:
+        if api_request.kind != "chat" or not api_request.uses_tools:
+            return {}
+        streams = {}
+        for job in jobs:
+            stream = await asyncio.to_thread(self.tool_calls.streaming, api_request.body,
+                                             job.input.prompt_token_ids, api_request.tool_choice)
+            if stream is not None:
+                streams[job.writer.index] = stream
+        return streams
 
     async def _tool_call_chunk(self, api_request: ApiRequest, writer: ChoiceWriter, shape: ResponseShape,
                                include_usage: bool) -> dict:

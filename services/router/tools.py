@@ -113,6 +113,14 @@ class ToolCalls:
             return content or "", found, finish
         return content, found, "tool_calls" if found else finish_reason
 
+    def streaming(self, body: dict, prompt_ids: list[int], tool_choice: str | dict | None) -> ToolStream | None:
+        """A stream's tool-call deltas as vLLM's server streams them (its parser's ``parse_delta``); None
+        without a tool parser (the calls are then sent whole once the output is complete)."""
+        if self._parser_name is None:
+            return None
+        request = self._request(body)
+        return ToolStream(self._parser(request), request, prompt_ids, isinstance(tool_choice, dict))
+
     def _request(self, body: dict):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -127,6 +135,28 @@ class ToolCalls:
             self._parser_cls = ParserManager.get_parser(tool_parser_name=self._parser_name, enable_auto_tools=True,
                                                         tokenizer=self._tokenizer)
         return self._parser_cls(self._tokenizer, request.tools)
+
+
+class ToolStream:
+    """One streamed choice of a tool request: each delta's message as vLLM's chat server sends it."""
+
+    def __init__(self, parser, request, prompt_ids: list[int], named: bool) -> None:
+        self._parser = parser
+        self._request = request
+        self._prompt_ids = prompt_ids
+        self._named = named
+        self._called = False
+
+    def feed(self, text: str, token_ids: list[int], finish_reason: str | None) -> tuple[dict | None, str | None]:
+        """(the chunk's delta, None: nothing to send yet; the chunk's finish_reason)."""
+        message = self._parser.parse_delta(delta_text=text, delta_token_ids=token_ids, request=self._request,
+                                           prompt_token_ids=self._prompt_ids, finished=finish_reason is not None)
+        if message is not None and message.tool_calls:
+            self._called = True
+        if finish_reason == "stop" and self._called and not self._named:
+            finish_reason = "tool_calls"
+        delta = message.model_dump(mode="json", exclude_unset=True) if message is not None else None
+        return delta, finish_reason
 
 
 def _parse_forced(text: str, finish_reason: str | None,

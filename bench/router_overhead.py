@@ -9,7 +9,9 @@ computes on the rest (on 2 cores, half the compute), so the baseline is given th
 Its model also runs where a worker's does, in vLLM's engine-core process rather than a process of its
 own (``services.engine.cpus.model_in_engine_core``), so that the figures differ by the router alone.
 The servers take turns over ``--rounds`` rounds (vLLM then PrfaaS, then PrfaaS then vLLM, ...), and
-each figure pools every round's requests.
+each figure pools every round's requests. It also prints the router process's CPU time (user +
+system, from /proc, over its measurements, warm-up requests included) per output token it streamed:
+what the router itself costs, with no baseline to compare it with but an older commit's run.
 
     python bench/router_overhead.py [--num-prompts 32] [--input-len 256] [--output-len 64] [--rounds 2]
 """
@@ -71,7 +73,19 @@ def run_prfaas(args, out: Path) -> dict:
     path.write_text(yaml.safe_dump(config))
     process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(path)],
                                cwd=_common.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    return measure(process, f"http://127.0.0.1:{config['router']['port']}", args, out)
+    return measure(process, f"http://127.0.0.1:{config['router']['port']}", args, out, router_of(process))
+
+
+def router_of(up: subprocess.Popen):
+    """A function that gives the CPU seconds so far of `prfaas up`'s router process (found once it runs)."""
+    import psutil
+
+    def cpu_s() -> float:
+        router = next(p for p in psutil.Process(up.pid).children(recursive=True)
+                      if p.cmdline()[3:4] == ["router"])
+        times = router.cpu_times()
+        return times.user + times.system
+    return cpu_s
 
 
 def engine_binding() -> str:
@@ -101,10 +115,15 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def measure(process: subprocess.Popen, base_url: str, args, out: Path) -> dict:
+def measure(process: subprocess.Popen, base_url: str, args, out: Path, router_cpu_s=None) -> dict:
     try:
         wait_http(base_url + "/health", process)  # both answer 200 only once they can serve
-        return {c: bench(base_url, c, args, out) for c in (1, 8)}
+        before = router_cpu_s() if router_cpu_s else 0.0
+        measured = {c: bench(base_url, c, args, out) for c in (1, 8)}
+        if router_cpu_s:
+            num_tokens = sum(m["total_output_tokens"] for m in measured.values()) + 4 * args.output_len  # + warm-ups
+            measured["router_cpu_s"], measured["streamed_tokens"] = router_cpu_s() - before, num_tokens
+        return measured
     finally:
         process.terminate()
         process.wait(120)
@@ -133,12 +152,15 @@ def main() -> int:
     if args.rounds < 1 or args.num_prompts < 1:
         parser.error("--rounds and --num-prompts must be positive")
     runs: dict[str, dict[int, list[dict]]] = {"vllm": {1: [], 8: []}, "prfaas": {1: [], 8: []}}
+    router_cpu_s = streamed_tokens = 0.0
     with tempfile.TemporaryDirectory(prefix="prfaas-bench-") as tmp:
         out = Path(tmp)
         for number in range(args.rounds):
             for server in ("vllm", "prfaas") if number % 2 == 0 else ("prfaas", "vllm"):
                 print(f"round {number + 1} of {args.rounds}: measuring {LABELS[server]} ...", file=sys.stderr)
                 measured = (run_vllm if server == "vllm" else run_prfaas)(args, out)
+                router_cpu_s += measured.get("router_cpu_s", 0.0)
+                streamed_tokens += measured.get("streamed_tokens", 0)
                 for c in (1, 8):
                     runs[server][c].append(measured[c])
                     print(f"  concurrency {c}: median TTFT {measured[c]['median_ttft_ms']:.1f} ms, output "
@@ -154,6 +176,8 @@ def main() -> int:
         print(f"concurrency {c}: median TTFT {routed['median_ttft_ms']:.1f} vs {direct['median_ttft_ms']:.1f} ms "
               f"({ttft:.3f}x), output {routed['output_throughput']:.1f} vs {direct['output_throughput']:.1f} tok/s "
               f"({tput:.3f}x); {routed['requests']} and {direct['requests']} requests over {args.rounds} rounds")
+    print(f"router CPU per streamed token: {router_cpu_s / streamed_tokens * 1e6:.0f} us ({router_cpu_s:.2f} CPU s "
+          f"over {streamed_tokens:.0f} output tokens, user + system, all rounds)")
     print(f"router vs vLLM server, worst median-TTFT ratio: {worst_ttft:.3f} (worst output throughput ratio "
           f"{worst_tput:.3f}, concurrency 1 and 8, {args.rounds} rounds); baseline vLLM's own OpenAI server; "
           f"target <= 1.10 and throughput >= 0.90: {'PASS' if ok else 'FAIL'}")

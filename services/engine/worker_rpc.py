@@ -95,9 +95,8 @@ async def _prefill(engine: Engine, request: pb.PrefillRequest, context) -> pb.Pr
     watch = KvSendWatch(prefill_input.kv_transfer.transfer_id if prefill_input.kv_transfer else "",
                         lambda: _transport(engine))
     stream = engine.generate(prefill_input)
-    prompt_logprobs: list = []
     try:
-        last = await watch.prefill(_keeping_prompt_logprobs(stream, prompt_logprobs))
+        last = await watch.prefill(stream)
         if prefill_input.kv_transfer is not None:
             await watch.wait_for_sent()
     except ValueError as exc:
@@ -116,15 +115,7 @@ async def _prefill(engine: Engine, request: pb.PrefillRequest, context) -> pb.Pr
         num_prompt_tokens=last.num_prompt_tokens,
         num_cached_tokens=last.num_cached_tokens,
         prefill_seconds=elapsed,
-        prompt_logprobs=convert.logprobs_to_proto(tuple(prompt_logprobs)),
     )
-
-
-async def _keeping_prompt_logprobs(stream, into: list):
-    """``stream``, with the prompt logprobs its first delta carries (when asked for) kept in ``into``."""
-    async for delta in stream:
-        into.extend(delta.prompt_logprobs)
-        yield delta
 
 
 def _transport(engine: Engine) -> TransportSnapshot | None:

@@ -61,7 +61,17 @@ class Dispatcher:
     async def plan(self, request: GenerateInput, exclude: frozenset[str] = frozenset()) -> Plan:
         """What is cached of the prompt and where the request goes (None: no worker can take it)."""
         cache, block_hashes = await self._placement.prompt_cache(request.prompt_token_ids)
-        return Plan(cache, block_hashes, self._placement.route(request.request_id, cache, block_hashes, exclude))
+        return Plan(cache, block_hashes, self._route(request, cache, block_hashes, exclude))
+
+    def _route(self, request: GenerateInput, cache: PromptCache, block_hashes: list[bytes],
+               exclude: frozenset[str]) -> Route | None:
+        """The placement's route; a request that asks for prompt logprobs prefills on its decode worker: they
+        need the logits of every prompt position on one engine, and a hand-off's prefill leaves the last
+        position to the decode worker (services/kv_connector/scheduler.py)."""
+        route = self._placement.route(request.request_id, cache, block_hashes, exclude)
+        if route is not None and route.prefill is not None and request.sampling.prompt_logprobs is not None:
+            return Route("local", route.decode)
+        return route
 
     async def generate(self, request: GenerateInput, plan: Plan | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's deltas on ``plan``'s route (planned here when not given). Raises
@@ -143,7 +153,7 @@ class Dispatcher:
         num_committed = num_tokens + request.sampling.max_tokens
         for attempt in range(self._config.max_attempts):
             route = plan.route if attempt == 0 else \
-                self._placement.route(request.request_id, plan.cache, plan.block_hashes, frozenset(tried))
+                self._route(request, plan.cache, plan.block_hashes, frozenset(tried))
             if route is None:
                 break
             tried.add(route.decode)
@@ -205,10 +215,7 @@ class Dispatcher:
             await self._pool.acquire_handoff(prefill, request.request_id)
             await prefill.acquire_stream()
             self._metrics.routed.labels(route.path).inc()
-            # prompt logprobs come from the prefill worker, which computes every prompt position (asked of the
-            # decode worker, they would make vLLM compute the prompt again instead of reading the streamed KV)
-            consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id),
-                                           sampling=dataclasses.replace(request.sampling, prompt_logprobs=None))
+            consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
             call = self._pool.generate(decode, consumer)
             prefill_call = self._pool.prefill(prefill, request, decode.handle)  # owns the lease from here
         except BaseException:
@@ -216,8 +223,6 @@ class Dispatcher:
             raise
         try:
             first = await call.first(prefill_call)
-            if request.sampling.prompt_logprobs is not None:
-                first = dataclasses.replace(first, prompt_logprobs=await prefill_call.prompt_logprobs())
         except BaseException:
             call.cancel()
             prefill_call.cancel()

@@ -338,15 +338,6 @@ class PrefillCall:
     def cancel(self) -> None:
         self._call.cancel()
 
-    async def prompt_logprobs(self) -> tuple:
-        """The prompt logprobs the prefill computed (once it ended, after the first token came); raises
-        WorkerError when the prefill failed (the first token came, but not what the request asked for)."""
-        try:
-            response = await asyncio.shield(self._task)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerError(f"prefill worker {self._handle.name} gave no prompt logprobs: {exc}") from None
-        return convert.logprobs_from_proto(response.prompt_logprobs)
-
     async def wait_unless_first(self, read: asyncio.Future, request_id: str, poll_interval_s: float) -> None:
         """Return once the first token is there or the prefill succeeded; raise PrefillFailed when the
         prefill failed, or when its worker stopped answering the router's polls (``UNANSWERED_POLLS`` in

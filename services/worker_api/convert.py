@@ -84,9 +84,7 @@ def prefill_input_from_proto(msg: pb.PrefillRequest) -> GenerateInput:
     """A prefill is a one-token generation; with a target, its KV streams there."""
     transfer = (produce(msg.transfer_id or msg.request_id, msg.kv_target, max(1, msg.kv_target_tp_size))
                 if msg.kv_target else None)
-    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
-    return GenerateInput(msg.request_id, list(msg.prompt_token_ids),
-                         Sampling(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs),
+    return GenerateInput(msg.request_id, list(msg.prompt_token_ids), Sampling(max_tokens=1, temperature=0.0),
                          kv_transfer=transfer)
 
 
@@ -185,8 +183,7 @@ def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_t
     """The PrfaaS prefill of ``request``, streaming its KV to ``kv_target`` (an engine of
     ``kv_target_tp_size`` ranks) under the request's id."""
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size,
-                             prompt_logprobs=request.sampling.prompt_logprobs)
+                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size)
 
 
 def stats_request() -> pb.StatsRequest:

@@ -172,8 +172,6 @@ def greedy_cases(max_tokens: int = 8) -> list[Case]:
         cases += [
             Case("n2_greedy", api, {**g, "n": 2}),
             Case("n2", api, {**one_token, "n": 2}),
-            Case("presence_penalty", api, {**g, **repeat_bias, "presence_penalty": 2.0},
-                 under_test=("presence_penalty",), **repeat),
             Case("frequency_penalty", api, {**g, **repeat_bias, "frequency_penalty": 2.0},
                  under_test=("frequency_penalty",), **repeat),
             Case("repetition_penalty", api, {**g, "extra_body": {"repetition_penalty": 1.8}},
@@ -190,6 +188,10 @@ def greedy_cases(max_tokens: int = 8) -> list[Case]:
             Case("so_grammar", api, {**long_budget, "extra_body": {"structured_outputs": {"grammar": GRAMMAR}}},
                  _fullmatch("The answer is (yes|no)\\.")),
         ]
+    # presence_penalty on completions only: on this model's short chat replies no prompt and bias found
+    # made it change vLLM's own reply, so the chat case would test nothing (the sampling is the same code)
+    cases.insert(8, Case("presence_penalty", "completions", {**g, "presence_penalty": 2.0},
+                         under_test=("presence_penalty",), **repeat))
     cases += [
         Case("json_object", "chat", {**long_budget, "response_format": {"type": "json_object"}}, _json_object,
              question=JSON_OBJECT_QUESTION),

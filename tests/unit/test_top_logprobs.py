@@ -79,14 +79,3 @@ def test_a_bad_per_tensor_switch_names_the_variable(monkeypatch):
     with pytest.raises(ValueError, match=f"{SCALE_PER_TENSOR_ENV}: 'yes' is not 0 or 1"):
         codec_scale_per_tensor()
 
-
-def test_a_prefill_asks_for_prompt_logprobs_and_returns_them():
-    from services.worker_api.types import GenerateInput, Sampling
-
-    request = GenerateInput("r", [1, 2, 3], Sampling(max_tokens=4, prompt_logprobs=2))
-    message = convert.prefill_request_to_proto(request, "127.0.0.1:1", 1)
-    assert message.prompt_logprobs == 2
-    assert convert.prefill_input_from_proto(message).sampling.prompt_logprobs == 2
-    plain = convert.prefill_request_to_proto(GenerateInput("r", [1], Sampling(max_tokens=1)), "127.0.0.1:1")
-    assert not plain.HasField("prompt_logprobs")
-    assert convert.prefill_input_from_proto(plain).sampling.prompt_logprobs is None

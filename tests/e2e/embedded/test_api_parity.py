@@ -102,6 +102,12 @@ def _routed(embedded) -> dict[str, float]:
     return {path: embedded.routed(path) for path in ("local", "pd", "prfaas")}
 
 
+def _needs_prompt_logprobs(case: parity.Case) -> bool:
+    params = {**case.params, **case.params.get("extra_body", {})}
+    return params.get("prompt_logprobs") is not None or (
+        bool(params.get("echo")) and params.get("logprobs") is not None)
+
+
 def _refused_by_vllm(case: parity.Case) -> bool:
     """vLLM refuses n > 1 at temperature 0, and every tool choice but `none` without a tool parser."""
     if case.name == "n2_greedy":
@@ -109,9 +115,14 @@ def _refused_by_vllm(case: parity.Case) -> bool:
     return case.name in ("tool_named", "tool_required", "tool_auto") and not configured_tool_parser()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("case", GREEDY, ids=_id)
+def _greedy_runs() -> list:
+    """Each case on both paths, one of them streamed and the other whole (alternating from case to case,
+    so that each path sees every API streamed and not); bench/api_parity.py runs all four."""
+    return [pytest.param(case, size, (i + j) % 2 == 1, id=f"{_id(case)}-{size}-{'stream' if (i + j) % 2 else 'whole'}")
+            for i, case in enumerate(GREEDY) for j, size in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize("case, size, stream", _greedy_runs())
 def test_greedy_reply_equals_vllms(case, size, stream, clients, prompts, embedded):
     case = parity.filled(case, prompts["plains"][case.api, size], prompts["biased"])
     prompt = _prompt(case, size, prompts)
@@ -142,7 +153,9 @@ def test_greedy_reply_equals_vllms(case, size, stream, clients, prompts, embedde
         pairs = [[c.text for c in ours.choices[i:i + 2]] for i in range(0, len(ours.choices), 2)]
         assert all(a == b for a, b in pairs), pairs
     after = _routed(embedded)
-    if size == "long":
+    if _needs_prompt_logprobs(case):  # the router prefills these on the decode worker (README's table)
+        assert after["prfaas"] == before["prfaas"], f"prompt logprobs took the PrfaaS path: {before} -> {after}"
+    elif size == "long":
         assert after["prfaas"] > before["prfaas"], f"no request took the PrfaaS path: {before} -> {after}"
     else:
         assert after["prfaas"] == before["prfaas"], f"a short prompt took the PrfaaS path: {before} -> {after}"

@@ -60,8 +60,8 @@ STATS_INTERVAL_S = 0.5
 MAX_HANDOFFS = 2
 FAMILIES, PREFIX, SHORT, LONG = 4, 256, 32, 384
 # a block: a burst of long prompts, then short prompts with longer answers at a steady rate
-BURST, BURST_RATE, BURST_OUTPUT = 6, 2.0, 16
-STEADY, STEADY_RATE, STEADY_OUTPUT = 12, 1.0, 24
+BURST, BURST_RATE, BURST_OUTPUT = 4, 2.0, 16
+STEADY, STEADY_RATE, STEADY_OUTPUT = 16, 1.0, 24
 ORDER, QUICK_ORDER = (1, 3, 3, 1, 1, 3, 3, 1), (1, 3)
 CACHED_TARGET, TTFT_TOLERANCE = 0.95, 0.10
 PD = (("pd-p", "prefill", "0"), ("pd-d1", "decode", "1"), ("pd-d2", "decode", "0"))

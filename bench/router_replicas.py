@@ -22,7 +22,7 @@ Pass: cached prompt tokens (usage) with 3 routers >= 0.95x those with 1; TTFT p5
 10%; no prefill worker's hand-off peak (sampled at the worker) above its limit; at least one role
 flip while 3 routers served, and every worker's role the same at every router in every sample taken
 more than one stats interval after a flip (with no flip that check would be vacuous: it fails).
-`--quick` (one 1-router and one 3-router block, for the suite) gates on everything but TTFT, whose
+`--quick` (one 1-router and one 3-router block) gates on everything but TTFT, whose
 percentiles over so few requests are noise; it prints them.
 
 A caveat on the first figure: on the PD path the decode engine counts the prompt tokens whose KV a

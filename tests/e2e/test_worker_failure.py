@@ -26,7 +26,7 @@ WORKERS = ("decode-0", "decode-1")
 # A prompt whose greedy continuation is confident token by token (a count), so that the text after a
 # move does not hinge on a near-tie that a prefill and a decode step might break differently.
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
-NUM_TOKENS = 300  # long enough that the worker is still generating when it is killed
+NUM_TOKENS = 150  # long enough that the worker is still generating when it is killed (after 6 chunks)
 # Greedy, this repeats itself ("I'm a big fan of the apple pie, ...") unless frequency_penalty counts
 # every token generated so far: the penalty changes the text well after the kill lands.
 FRUITS = "My favourite fruits are apples, bananas,"
@@ -134,19 +134,6 @@ def test_a_moved_request_keeps_counting_its_earlier_tokens_for_frequency_penalty
     assert _migrations(deployment, "resumed") - moved == 1
 
 
-def test_a_request_that_cannot_move_exactly_ends_with_an_error_event(deployment):
-    client = _client(deployment)
-    inexact = _migrations(deployment, "inexact")
-    stream = client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=64, temperature=0,
-                                       presence_penalty=0.5, stream=True, extra_body={"ignore_eos": True})
-    with pytest.raises(openai.APIError) as excinfo:
-        _kill_mid_stream(deployment, stream)
-    assert "cannot move to another worker exactly" in excinfo.value.message
-    assert "presence_penalty" in excinfo.value.message
-    assert excinfo.value.body["code"] == "worker_failed"
-    assert _migrations(deployment, "inexact") - inexact == 1
-
-
 def test_a_moved_request_continues_its_json_schema_from_where_it_stood(deployment):
     client = _client(deployment)
     request = {"model": MODEL, "messages": [{"role": "user", "content": "List ten colours as JSON."}],
@@ -163,13 +150,25 @@ def test_a_moved_request_continues_its_json_schema_from_where_it_stood(deploymen
     assert _migrations(deployment, "resumed") - moved == 1
 
 
-def test_killed_worker_is_routed_around_then_503(deployment):
+def test_killed_worker_is_routed_around_then_a_request_that_cannot_move_exactly_ends_then_503(deployment):
+    """One worker killed for good: requests go to the other. Then a request that cannot move exactly
+    (presence_penalty) loses that worker mid-stream: its stream ends with an error event saying why
+    (before any worker is looked for: none is left). Then every request is a 503."""
     client = _client(deployment)
     if not deployment.dead:
         _kill(deployment, "decode-0", restart=False)
     for _ in range(3):
         reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
         assert reply.usage.completion_tokens > 0
+    inexact = _migrations(deployment, "inexact")
+    stream = client.completions.create(model=MODEL, prompt=FRUITS, max_tokens=64, temperature=0,
+                                       presence_penalty=0.5, stream=True, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APIError) as excinfo:
+        _kill_mid_stream(deployment, stream, restart=False)
+    assert "cannot move to another worker exactly" in excinfo.value.message
+    assert "presence_penalty" in excinfo.value.message
+    assert excinfo.value.body["code"] == "worker_failed"
+    assert _migrations(deployment, "inexact") - inexact == 1
     for name in set(WORKERS) - deployment.dead:
         deployment.kill(name)
     started = time.monotonic()

@@ -31,8 +31,9 @@ QUICK = ("simulator_speed", "cache_lookup", "cache_bandwidth", "transport_loopba
          "hetero_layouts",
          "transport_wan", "wire_codec_wan", "layerwise_overlap", "router_overhead", "cache_load_ttft")
 # Run by name only: cancellation (~7 min), chaos (~10), sim_vs_real (17-30), wire_codec_quality (~20),
-# gpu_kv_path (a CUDA host).
-LONG = ("cancellation", "chaos", "sim_vs_real", "wire_codec_quality", "gpu_kv_path")
+# gpu_kv_path (a CUDA host), router_replicas and router_replicas_wan (~4-5 each), api_parity (minutes).
+LONG = ("cancellation", "chaos", "sim_vs_real", "wire_codec_quality", "gpu_kv_path", "router_replicas",
+        "router_replicas_wan", "api_parity")
 
 
 def run_one(name: str, logs: Path, timeout_s: float) -> Result:

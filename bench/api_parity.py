@@ -44,7 +44,7 @@ from support.deployment import Deployment
 from support.embedded import API_KEY, MODEL, embedded_default_on_free_ports
 from support.reference_server import ReferenceServer, configured_tool_parser
 
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.125}[resolve_dtype("auto", smollm2.prepare())]
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}[resolve_dtype("auto", smollm2.prepare())]  # the suite's: why there
 REFUSED_BY_VLLM = ("n2_greedy",)
 TOOL_CHOICES = ("tool_named", "tool_required", "tool_auto")
 

@@ -47,6 +47,7 @@ JSON_QUESTION = ' Reply with a JSON object: the "city" of the story and the "yea
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+STRICT_WEATHER_TOOL = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -218,7 +219,9 @@ def sampled_cases(max_tokens: int = 8, seed: int = 7) -> list[Case]:
         Case("sampled_json_schema", "chat", {**s, "max_tokens": 5 * max_tokens, "response_format": {
             "type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}}, _city_schema,
             question=JSON_QUESTION),
-        Case("sampled_tool_named", "chat", {**s, "max_tokens": 5 * max_tokens, "tools": [WEATHER_TOOL],
+        # strict: the arguments pinned to the function's schema (OpenAI's strict mode; vLLM's parser pins
+        # them only then): sampled freely, SmolLM2 writes them as a bare string
+        Case("sampled_tool_named", "chat", {**s, "max_tokens": 5 * max_tokens, "tools": [STRICT_WEATHER_TOOL],
                                             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
              _tool_call(("get_weather",))),
         Case("sampled_prompt_list_n2", "completions", {**fixed, "n": 2}, prompt_list="text"),

@@ -44,8 +44,9 @@ SIZES = ("short", "long")
 # prompt token alone (a GEMM of another shape: other rounding). Float32 logits then differ in the
 # 6th digit: 1e-3. In bfloat16 (this host: AVX512-BF16) a logit keeps 8 significant bits, so
 # logprobs move in steps of 1/16 for logits of 8-16 and 1/8 for 16-32 (the embedded model's
-# largest): one step of rounding either way is 0.125.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.125}[resolve_dtype("auto", smollm2.prepare())]
+# largest); on the PrfaaS path the KV and the last token's logits both round their own way: up to two
+# steps, 0.25 (bench/api_parity.py --quick measured 0.21 at most, over 240 greedy cases).
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}[resolve_dtype("auto", smollm2.prepare())]
 GREEDY = parity.greedy_cases()
 SAMPLED = parity.sampled_cases()
 

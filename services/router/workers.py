@@ -120,12 +120,9 @@ class WorkerHandle:
     # Requests waiting here for one of those slots: the PrfaaS queue the worker's stats cannot show
     # (the threshold controller adds them to its queue; exported as prfaas_router_handoffs_waiting).
     num_handoffs_waiting: int = 0
-    # This router's hand-offs open on the worker now, and as of its last stats answer: the worker's
-    # slots held between polls are the other routers' (``stats.num_handoffs`` less ours then) plus ours
-    # now, so a slot this router frees is free to it at once, as with one router, and only the other
-    # routers' are seen late (by a stats call; ``_wait_for_worker_slot``).
-    num_handoffs_open: int = 0
-    num_handoffs_open_at_poll: int = 0
+    # Hand-offs this router started on the worker since its last stats answer, which counts them from
+    # then on (``stats.num_handoffs``): the router's estimate of the worker's slots between polls.
+    num_handoffs_since_poll: int = 0
     num_started_since_poll: int = 0  # requests (leases) this router started on it since its last stats answer
     # The worker refused a hand-off as busy since its last stats answer: wait for the next one.
     handoff_refused: bool = False
@@ -181,26 +178,18 @@ class WorkerHandle:
         )
 
 
-def handoffs_held(handle: WorkerHandle) -> int:
-    """The worker's hand-off slots held now, as this router knows: the other routers' as of the last
-    stats answer, and this router's own now."""
-    others = max(handle.stats.num_handoffs - handle.num_handoffs_open_at_poll, 0)
-    return others + handle.num_handoffs_open
-
-
 class Lease:
     """One request's hold on a worker: counted in its load (``num_in_flight`` and the committed
     tokens) from creation, holding one of its request streams after ``acquire_stream`` and one of its
     hand-off slots after ``WorkerPool.acquire_handoff``, until ``release`` (later calls do nothing)."""
 
-    __slots__ = ("handle", "_num_committed_tokens", "_stream", "_handoff", "_worker_slot", "_released")
+    __slots__ = ("handle", "_num_committed_tokens", "_stream", "_handoff", "_released")
 
     def __init__(self, handle: WorkerHandle, num_committed_tokens: int) -> None:
         self.handle = handle
         self._num_committed_tokens = num_committed_tokens
         self._stream = False
         self._handoff: asyncio.Semaphore | None = None
-        self._worker_slot = False  # one of the worker's hand-off slots counted as this router's
         self._released = False
         handle.num_in_flight += 1
         handle.num_started_since_poll += 1
@@ -217,9 +206,6 @@ class Lease:
         if self._handoff is not None:
             slots, self._handoff = self._handoff, None
             slots.release()
-        if self._worker_slot:
-            self._worker_slot = False
-            self.handle.num_handoffs_open -= 1
 
     def release(self) -> None:
         if self._released:
@@ -459,8 +445,8 @@ class WorkerPool:
         """Other routers hold some of the worker's slots: wait until its last reported count plus the
         hand-offs this router started since then leaves one free (the worker refuses the rest anyway)."""
         handle = lease.handle
-        while handle.handoff_refused or (handle.stats.max_handoffs
-                                         and handoffs_held(handle) >= handle.stats.max_handoffs):
+        while handle.handoff_refused or (handle.stats.max_handoffs and handle.stats.num_handoffs
+                                         + handle.num_handoffs_since_poll >= handle.stats.max_handoffs):
             await asyncio.sleep(HANDOFF_RECHECK_S)
             await self._refresh(handle)
             if handle.draining:
@@ -471,8 +457,7 @@ class WorkerPool:
                 logger.warning("request %s: prefill worker %s stopped answering while the request waited for it; "
                                "prefilling locally instead", request_id, handle.name)
                 raise PrefillFailed()
-        handle.num_handoffs_open += 1
-        lease._worker_slot = True
+        handle.num_handoffs_since_poll += 1
 
     def generate(self, lease: Lease, request: GenerateInput) -> GenerateCall:
         """Starts the request's Generate stream on the leased worker, with the request deadline."""
@@ -571,8 +556,7 @@ class WorkerPool:
             health = await handle.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             handle.stats = convert.stats_from_proto(await handle.stats_stub.GetStats(convert.stats_request(),
                                                                                      timeout=timeout))
-            handle.num_started_since_poll, handle.handoff_refused = 0, False
-            handle.num_handoffs_open_at_poll = handle.num_handoffs_open
+            handle.num_handoffs_since_poll, handle.num_started_since_poll, handle.handoff_refused = 0, 0, False
             self._take_role(handle, handle.stats.role, handle.stats.draining, handle.stats.role_generation)
             healthy = health.status == health_pb2.HealthCheckResponse.SERVING
             handle.num_unanswered_polls = 0

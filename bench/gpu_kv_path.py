@@ -13,7 +13,8 @@ end of the step (``post_forward``). A consumer rank runs idle steps, ``on_metada
 ``start_load_kv`` runs: a no-op in this connector, loads are applied in ``get_transfer_results``) and
 ``get_transfer_results``, until its request is reported. Settings are the deployed ones: host rings
 of the device's default sizes (``host_ring_bytes`` unset: a 1 GiB saver ring on CUDA, 256 MiB
-otherwise), transport frames of 512 KiB, 8 connections per peer, over loopback.
+otherwise), frames of the size the consumer announces (``transport.frame_bytes`` unset: 8 MiB on CUDA,
+512 KiB otherwise), 8 connections per peer, over loopback.
 
 Cases: TP 1 -> 1 for each layout, TP 1 -> 2 and 2 -> 1 (head slices), fp8 and int8 on the wire (the
 reference is the codec applied to the sent blocks), the cache pool's store (a forward that stores its
@@ -61,7 +62,7 @@ from services.kv_connector.pool.io import PoolIO, PoolModel
 from services.kv_connector.pool.worker import PoolWorker
 from services.kv_connector.settings import ConnectorSettings
 from services.kv_connector.worker import PrfaasConnectorWorker
-from services.kv_transport import Frame, TransferDone, codecs, protocol
+from services.kv_transport import Frame, TransferDone, TransportSettings, codecs, protocol
 
 BLOCK_TOKENS = 16
 SECRET = "bench-secret"
@@ -139,7 +140,7 @@ class Rank:
         self.views = flash_attention_views(order, self.num_blocks, shape.layers, heads, shape.head_size, device,
                                            generator if fill else None)
         self.forward = Forward(shape, device)
-        self.core = PrfaasConnectorWorker(open_streams or (lambda: settings.open_streams(rank)),
+        self.core = PrfaasConnectorWorker(open_streams or partial(settings.open_streams, rank),
                                           settings.worker_settings, pool)
         self.core.register_kv_caches(KVLayout(config, dict(zip(self.names, self.views))),
                                      spec_from_vllm("bench", config, self.names, rank, tp_size, shape.heads,
@@ -226,7 +227,7 @@ def step_time(ranks: list[Rank], meta_of, connected: bool, device: torch.device)
 
 
 def settings_for(codec: str, listen_port: int | None, ring_bytes: int | None) -> ConnectorSettings:
-    transport = {"secret": SECRET, "codec": codec, "connections_per_peer": 8, "frame_bytes": 512 << 10}
+    transport = {"secret": SECRET, "codec": codec, "connections_per_peer": 8}
     return ConnectorSettings(listen_port=listen_port, transport=transport, code_sends=codec != "none",
                              host_ring_bytes=ring_bytes)
 
@@ -298,14 +299,21 @@ def received(rank: Rank, recv: PrfaasConnectorMetadata, req: str) -> None:
         raise RuntimeError(f"{req} failed on a consumer rank: {failed}")
 
 
-class LoopWire:
-    """The transport replaced by an in-process hand-over, for the device path's rates: a send is read
-    into the addressed consumer rank's receive memory (its ``allocate``) as a frame, coded as the
-    transport codes it; that rank's ``poll`` hands its frames to its core."""
+FRAME_CAP = TransportSettings().frame_cap  # the most a sender with the deployed settings puts in a frame
 
-    def __init__(self, network: dict[str, LoopWire], codec: str, address: str = "") -> None:
+
+class LoopWire:
+    """The transport replaced by an in-process hand-over, for the device path's rates: a send is cut
+    into frames as the transport cuts it (whole blocks up to the consumer's announced frame size, or
+    the transport's cap for payloads that are not blocks one after another), each read into the
+    addressed consumer rank's receive memory (its ``allocate``), coded as the transport codes it;
+    that rank's ``poll`` hands its frames to its core."""
+
+    def __init__(self, network: dict[str, LoopWire], codec: str, address: str = "",
+                 frame_bytes: int = FRAME_CAP) -> None:
         self.codec = codecs.CODECS[codec]
         self.network = network
+        self.receive_frame_bytes = frame_bytes
         self.allocate = bytearray
         self.listen_host, self.port = "127.0.0.1", int(address.rpartition(":")[2] or 0)
         self._frames: list = []
@@ -316,20 +324,32 @@ class LoopWire:
     def receive_into(self, allocate) -> None:
         self.allocate = allocate
 
+    def frame_bytes(self, peer) -> int:
+        return min(FRAME_CAP, self.network[peer].receive_frame_bytes)
+
     def send_layout(self, peer, transfer_id, payload) -> None:
         self.network[peer].deliver(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))
 
     def send(self, peer, transfer_id, layer, group, block_start, num_blocks, payload, on_sent=None, coding=None,
              divisible=False) -> None:
-        codec = self.codec if coding is not None else codecs.NONE
-        data = encode(codec, payload, *coding) if codec != codecs.NONE else payload
-        target = self.network[peer]
-        memory = target.allocate(len(data))
-        memory[:] = data
-        target.deliver(Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(memory), protocol.DATA,
-                             codec, coding[1] if codec != codecs.NONE else 0))
+        target, cap = self.network[peer], FRAME_CAP
+        payload = memoryview(payload).cast("B")
+        block_bytes = max(len(payload) // max(num_blocks, 1), 1)
+        per_frame = max(1, (min(cap, target.receive_frame_bytes) if divisible else cap) // block_bytes)
+        for first in range(0, max(num_blocks, 1), per_frame):
+            count = min(per_frame, num_blocks - first)
+            target.deliver(self._frame(target, transfer_id, layer, group, block_start + first, count,
+                                       payload[first * block_bytes:(first + count) * block_bytes], coding))
         if on_sent is not None:
             on_sent()
+
+    def _frame(self, target: LoopWire, transfer_id, layer, group, block_start, num_blocks, payload, coding) -> Frame:
+        codec = self.codec if coding is not None else codecs.NONE
+        data = encode(codec, payload, *coding) if codec != codecs.NONE else payload
+        memory = target.allocate(len(data))
+        memory[:] = data
+        return Frame(transfer_id, layer, group, block_start, num_blocks, memoryview(memory), protocol.DATA, codec,
+                     coding[1] if codec != codecs.NONE else 0)
 
     def finish(self, peer, transfer_id) -> None:
         self.network[peer].deliver(TransferDone(transfer_id))
@@ -357,8 +377,9 @@ def device_path_rates(shape: Shape, order: str, src_tp: int, dst_tp: int, codec:
     network: dict[str, LoopWire] = {}
     settings = settings_for(codec, None, ring_bytes)
     consumers = [Rank(shape, order, dst_tp, r, False, device, settings,
-                      open_streams=lambda r=r: LoopWire(network, codec, f"loop:{7000 + r}")) for r in range(dst_tp)]
-    producers = [Rank(shape, order, src_tp, r, True, device, settings, open_streams=lambda: LoopWire(network, codec))
+                      open_streams=partial(LoopWire, network, codec, f"loop:{7000 + r}")) for r in range(dst_tp)]
+    producers = [Rank(shape, order, src_tp, r, True, device, settings,
+                      open_streams=partial(LoopWire, network, codec, ""))
                  for r in range(src_tp)]
     src_ids, dst_ids = request_ids(shape)
     saves, writes = [], []
@@ -420,9 +441,9 @@ def pool_case(shape: Shape, device: torch.device, rounds: int, ring_bytes: int) 
         model = PoolModel("bench/1", BLOCK_TOKENS, (KvCacheGroup(0, GroupKind.FULL_ATTENTION),))
         settings, network = settings_for("none", None, ring_bytes), {}
         source = Rank(shape, "LBNHC", 1, 0, True, device, settings, PoolWorker(io, model),
-                      lambda: LoopWire(network, "none"))
+                      partial(LoopWire, network, "none", ""))
         target = Rank(shape, "LBNHC", 1, 0, False, device, settings, PoolWorker(io, model),
-                      lambda: LoopWire(network, "none"))
+                      partial(LoopWire, network, "none", ""))
         ids, _ = request_ids(shape)
         try:
             forward_s = statistics.median([step_time([source], lambda r: None, False, device)

@@ -126,8 +126,9 @@ class Engine:
         self.spec = spec_from_vllm(model.name, config, self.names, tp_rank, tp_size, model.kv_heads,
                                    cache_layout=self.cache_layout)
         settings = TransportSettings(secret=SECRET)
-        self.worker = PrfaasConnectorWorker(lambda: KVTransport(settings, listen_port=listen_port),
-                                            WorkerSettings(ReceiveSettings(RECEIVE_TIMEOUT_S, 1 << 32)))
+        self.worker = PrfaasConnectorWorker(
+            lambda frame_bytes: KVTransport(settings, listen_port=listen_port, frame_bytes=frame_bytes),
+            WorkerSettings(ReceiveSettings(RECEIVE_TIMEOUT_S, 1 << 32)))
         self.worker.register_kv_caches(KVLayout(config, caches, self.cache_layout), self.spec)
         self.block_ids = tuple(range(1, self.num_blocks))
 

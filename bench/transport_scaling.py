@@ -35,6 +35,7 @@ import _common  # noqa: F401  (puts the project on sys.path)
 from _common import iperf3_run, process_user_sys_s, require, results_dir, start_receiver, verdict, wait_transfer
 
 from services.kv_transport import KVTransport, TransportSettings
+from services.kv_transport.protocol import DEFAULT_FRAME_SIZES
 
 SECRET = "bench-secret"
 NUM_LAYERS = 64
@@ -146,8 +147,9 @@ def main() -> int:
                         f"{default_threads()})")
     parser.add_argument("--megabytes", type=int, default=1024, help="KV per transfer in MiB (default 1024)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the best of each point is kept (default 3)")
-    parser.add_argument("--frame-kib", type=int, default=TransportSettings().frame_bytes >> 10,
-                        help=f"transport.frame_bytes in KiB (default {TransportSettings().frame_bytes >> 10})")
+    parser.add_argument("--frame-kib", type=int, default=DEFAULT_FRAME_SIZES.preferred >> 10,
+                        help="transport.frame_bytes in KiB, set on both ends (default "
+                        f"{DEFAULT_FRAME_SIZES.preferred >> 10}, what a receiver without a GPU announces)")
     parser.add_argument("--tls", action="store_true", help="mutual TLS on the transport's connections (a throwaway "
                         "CA); iperf3 stays plain, so the ratio is TLS's cost")
     parser.add_argument("--out", type=Path, default=None, help="where the table and plot go (default "

@@ -382,8 +382,9 @@ class DeploymentConfig:
         "docs/deployment.md, \"Threat model\".")
     transport: dict[str, object] = _opt({}, "KV data-plane transport: `connections_per_peer` (8), `io_threads` "
                                         "(1), `secret` or `secret_env` (PRFAAS_KV_SECRET), `tls_cert`/`tls_key`/"
-                                        "`tls_ca`, `max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, "
-                                        "timeouts; see services/kv_transport/settings.py.")
+                                        "`tls_ca`, `frame_bytes` (0: each receiver announces its device's), "
+                                        "`max_frame_bytes`, `max_inflight_bytes`, `max_staging_bytes`, timeouts; see "
+                                        "services/kv_transport/settings.py.")
 
     def worker(self, name: str) -> WorkerConfig:
         for worker in self.workers:

@@ -10,6 +10,7 @@ vLLM's configuration and translates its hooks into plain calls on those. Setting
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -51,7 +52,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = PrfaasConnectorScheduler(PoolPlanner(*pool) if pool else None)
         if role == KVConnectorRole.WORKER:
             self._tp_rank = _tp_rank()
-            self.worker = PrfaasConnectorWorker(lambda: self.settings.open_streams(self._tp_rank),
+            self.worker = PrfaasConnectorWorker(partial(self.settings.open_streams, self._tp_rank),
                                                 self.settings.worker_settings,
                                                 PoolWorker(*pool, rank=self._tp_rank) if pool else None)
         self.publisher: StatsPublisher | None = None

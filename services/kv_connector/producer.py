@@ -32,11 +32,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SendSettings:
     """``layerwise``: stream each layer as it is computed (False: hold all to the prefill's end);
-    ``code_sends``: let the transport code attention payloads; ``frame_bytes``: the transport's
-    frame size, the longest run of sliced blocks one payload holds."""
+    ``code_sends``: let the transport code attention payloads."""
     layerwise: bool = True
     code_sends: bool = False
-    frame_bytes: int = 512 << 10
 
 
 class Producer:
@@ -162,10 +160,12 @@ class Producer:
                                   self.layout.block_size[layer.group], self._spec.cache_layout)
             block_bytes = sum(view[0, p.src_start:p.src_start + p.num_units].numel() for p in pieces) \
                 * view.element_size()
-            # runs of at most one frame: the transport splits a payload by whole blocks, which would
-            # cut across the pieces of a payload that holds several
+            # runs of at most one frame of the consumer's (as far as a handshake told it): the transport
+            # splits a payload by whole blocks at its own cap, which would cut across the pieces of a
+            # payload that holds several
             self.saver.save_made(partial(_sliced_blocks, view, pieces), block_bytes, ids,
-                                 self._deliverer(send, peer, wire, layer, first, coding), self._settings.frame_bytes)
+                                 self._deliverer(send, peer, wire, layer, first, coding),
+                                 self.streams.frame_bytes(peer))
 
     def _coding(self, layer: LayerInfo):
         """How the transport may code this attention layer's payloads (None: raw): only on an engine

@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 
-from services.kv_connector.device import DEFAULT_SLOT_BYTES
+from services.kv_connector.device import CPU_FRAME_BYTES, DEFAULT_SLOT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ConnectorSettings:
         transport = self.transport_settings
         return WorkerSettings(
             ReceiveSettings(transport.recv_idle_timeout_s, self.max_early_bytes, transport.recv_first_frame_timeout_s),
-            SendSettings(self.layerwise, self.code_sends, min(transport.frame_bytes, transport.max_frame_bytes)),
+            SendSettings(self.layerwise, self.code_sends),
             self.host_ring_bytes, self.host_ring_slot_bytes)
 
     @property
@@ -95,14 +95,16 @@ class ConnectorSettings:
 
         return GrpcSecurity.from_sections(build(SecurityConfig, self.security, "security"), self.transport)
 
-    def open_streams(self, tp_rank: int = 0):
-        """The transport of one TP rank: rank r of a receiving engine listens at ``listen_port + r``."""
+    def open_streams(self, tp_rank: int = 0, frame_bytes: int = CPU_FRAME_BYTES):
+        """The transport of one TP rank: rank r of a receiving engine listens at ``listen_port + r``
+        and asks producers for frames of ``frame_bytes`` (its device's default: ``PrfaasConnectorWorker``
+        passes it) unless ``transport.frame_bytes`` is set."""
         from services.kv_connector.codecs import encode
         from services.kv_transport import KVTransport, TransportSettings
 
         port = self.listen_port + tp_rank if self.listen_port is not None else None
         encoder = partial(encode, per_tensor=self.codec_scale_per_tensor) if self.code_sends else None
-        return KVTransport(TransportSettings.of(self.transport), self.listen_host, port, encoder)
+        return KVTransport(TransportSettings.of(self.transport), self.listen_host, port, encoder, frame_bytes)
 
 
 def pool_model(model: str, kv_cache_config, tp_size: int = 1, cache_layout: str = ""):

@@ -3,8 +3,9 @@ plain calls (``connector.PrfaasConnector`` translates vLLM's hooks into them; a 
 drives the same calls). It imports no vLLM.
 
 Every method runs on the engine thread and none waits for the GPU. ``register_kv_caches`` sets up
-the device path once: the saver's pinned ring, on CUDA a ring of frame-sized slots the transport
-receives into, and the ``producer`` / ``consumer`` halves over them; the
+the device path once: this rank's transport, whose receiver asks producers for its device's frame
+size (``device.receive_frame_bytes``), the saver's pinned ring, on CUDA a ring of frame-sized slots
+the transport receives into, and the ``producer`` / ``consumer`` halves over them; the
 ``pool`` half (``pool.worker.PoolWorker``) when the engine has a cache pool. The order of a step
 (vLLM's Model Runner V2): ``on_metadata``, ``save_kv_layer`` after each attention layer, then
 ``wait_for_save`` and ``get_transfer_results``.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.kv_connector.consumer import IDLE_WAIT_S, Consumer, ReceiveSettings, TransferResults
-from services.kv_connector.device import DEFAULT_SLOT_BYTES, receive_ring_bytes, save_ring_bytes
+from services.kv_connector.device import DEFAULT_SLOT_BYTES, receive_frame_bytes, receive_ring_bytes, save_ring_bytes
 from services.kv_connector.device.consumer import BlockLoader
 from services.kv_connector.device.producer import LayerSaver
 from services.kv_connector.device.ring import HostRing
@@ -46,10 +47,12 @@ class WorkerSettings:
 
 
 class PrfaasConnectorWorker:
-    def __init__(self, open_streams: Callable[[], object], settings: WorkerSettings = WorkerSettings(),
+    def __init__(self, open_streams: Callable[[int], object], settings: WorkerSettings = WorkerSettings(),
                  pool: PoolWorker | None = None, device_of: Callable[[object], Device] = Device) -> None:
-        """``open_streams``: this rank's transport (``KVTransport``), opened at ``register_kv_caches``;
-        ``device_of``: the device facade of the cache's device (a test passes a recording one)."""
+        """``open_streams(frame_bytes)``: this rank's transport (``KVTransport``), opened at
+        ``register_kv_caches``, whose receiver asks producers for frames of ``frame_bytes`` (the
+        device's default) unless ``transport.frame_bytes`` says otherwise; ``device_of``: the device
+        facade of the cache's device (a test passes a recording one)."""
         self._open_streams = open_streams
         self._settings = settings
         self._device_of = device_of
@@ -67,9 +70,9 @@ class PrfaasConnectorWorker:
         layer; on CUDA received frames land in a ring of frame-sized slots (a frame that misses it is
         staged through PyTorch's pinned allocator: ``device.consumer``)."""
         self.layout = layout
-        self.streams = self._open_streams()
         caches = list(layout.caches.values())
         device = self._device_of(caches[0].device if caches else "cpu")
+        self.streams = self._open_streams(receive_frame_bytes(device.is_cuda))
         largest = max((layout.payload_bytes(layer, 1) for layer in layout.layers.values()), default=0)
         slot_bytes = max(self._settings.host_ring_slot_bytes, largest)
         num_slots = max(2, save_ring_bytes(self._settings.host_ring_bytes, device.is_cuda) // slot_bytes)
@@ -77,7 +80,8 @@ class PrfaasConnectorWorker:
         self._rings = [save_ring]
         receive_ring = None
         if device.is_cuda:
-            frame_bytes = min(max(self._settings.send.frame_bytes, largest), slot_bytes)
+            announced = self.streams.receive_frame_bytes or receive_frame_bytes(device.is_cuda)  # None: sends only
+            frame_bytes = min(max(announced, largest), slot_bytes)
             receive_ring = HostRing(device, frame_bytes, max(2, receive_ring_bytes(self._settings.host_ring_bytes)
                                                              // frame_bytes))
             self._rings.append(receive_ring)

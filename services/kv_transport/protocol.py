@@ -1,18 +1,23 @@
-"""The KV stream wire format, version 4.
+"""The KV stream wire format, version 5.
 
 A connection starts with a handshake (client → server) that checks the protocol version, agrees on
-a KV codec (``codecs``) and proves, in both directions, knowledge of the shared secret without
-sending it; the offers are inside the proofs, so no one between the ends can change them::
+a KV codec (``codecs``), tells the sender the receiver's frame sizes and proves, in both directions,
+knowledge of the shared secret without sending it; the offers and the frame sizes are inside the
+proofs, so no one between the ends can change them::
 
     C: HELLO      magic "PFKV", version, client nonce, then the client's codec offer
-    S: CHALLENGE  magic, version, status 0, server nonce, server offer,
-                  HMAC(secret, "S" | client nonce | server nonce | client offer | server offer)
+    S: CHALLENGE  magic, version, status 0, server nonce, server offer, frame sizes,
+                  HMAC(secret, "S" | client nonce | server nonce | client offer | server offer | frame sizes)
        or REFUSE  magic, version, status 1, reason          (and closes)
-    C: PROOF      HMAC(secret, "C" | server nonce | client nonce | client offer | server offer)
+    C: PROOF      HMAC(secret, "C" | server nonce | client nonce | client offer | server offer | frame sizes)
     S: OK (status 0) or REFUSE (status 1, reason)
 
 An offer is a bit mask of codec ids; both ends take the preferred codec both offer
-(``codecs.agree``), ``none`` when they share no other.
+(``codecs.agree``), ``none`` when they share no other. The frame sizes (``FrameSizes``, two
+unsigned 64-bit integers) are the payload the receiver wants per frame and the most it accepts: the
+sender cuts runs of whole blocks at the smaller of its own cap and the first, and never above the
+second. A sender refuses a receiver whose sizes are out of bounds (``FrameSizes.problem``): it
+closes without a PROOF.
 
 Then only frames flow, client → server: a fixed header, the transfer id, the payload. Frames of
 one transfer may travel on different connections; ``seq`` numbers them and the END frame carries
@@ -28,11 +33,13 @@ Frame kinds:
 - LAYOUT: the producer's KV layout (payload): its fingerprint, then a newline and its ``LayoutSpec``
   where it can describe itself (``kv_connector/layouts/reblock.py``). The consumer writes no block before it
   has checked it: identical layouts copy pages as they are, others are re-blocked or refused.
-  ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0. (Version 2 sent the fingerprint
-  alone; version 1 sent it as a DATA frame of layer 0xFFFF.)
-  Version 3 had no codec in the handshake or the header.
+  ``layer``, ``group``, ``block_start`` and ``num_blocks`` are 0.
 - END: no more frames; ``seq`` is how many DATA and LAYOUT frames the transfer has.
 - ABORT: the sender gave up on the transfer; the payload says why.
+
+Versions: 5 added the receiver's frame sizes to the handshake (4 cut frames at the sender's
+setting alone); 4 added the codec to the handshake and the header; 3 had neither; 2 sent the
+LAYOUT frame's fingerprint alone; 1 sent it as a DATA frame of layer 0xFFFF.
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ import xxhash
 
 from services.kv_transport.codecs import NONE, agree
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"PFKV"
 MAX_TRANSFER_ID_BYTES = 255
 
@@ -66,6 +73,7 @@ HEADER = struct.Struct("!4sBBBBHHIIIIQQ")
 _HELLO = struct.Struct("!4sH32s")
 _OFFER = struct.Struct("!H")
 _REPLY = struct.Struct("!4sHB")
+_FRAME_SIZES = struct.Struct("!QQ")
 _NONCE = 32
 
 Bytes = bytes | bytearray | memoryview
@@ -80,7 +88,8 @@ class ProtocolError(Exception):
 
 
 class HandshakeRefused(Exception):
-    """The peer (or we) refused the connection: version or secret mismatch."""
+    """The peer (or we) refused the connection: version or secret mismatch, or (a sender) frame sizes
+    out of bounds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,35 @@ class FrameHeader:
     digest: int
     codec: int = NONE
     row_elems: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FrameSizes:
+    """What a receiver announces at the handshake: the frame payload it wants (``preferred``) and the
+    most it accepts (``limit``), in bytes."""
+    preferred: int = 512 << 10
+    limit: int = 8 << 20
+
+    @property
+    def problem(self) -> str | None:
+        """Why a sender cannot use these sizes, or None."""
+        if not 0 < self.preferred <= self.limit:
+            return (f"receiver announced frames of {self.preferred} bytes with a limit of {self.limit} bytes; "
+                    "a frame size must be at least 1 byte and at most the limit")
+        return None
+
+    def pack(self) -> bytes:
+        return _FRAME_SIZES.pack(self.preferred, self.limit)
+
+
+DEFAULT_FRAME_SIZES = FrameSizes()
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """What a sender's handshake settled: the codec, and the receiver's frame sizes."""
+    codec: int
+    frames: FrameSizes
 
 
 def block_frame_fields(index: int, group: int) -> tuple[int, int, int, int]:
@@ -218,17 +256,18 @@ def recv_into_exactly(conn: socket.socket, view: memoryview, *, eof_ok: bool = F
 
 # Handshake -------------------------------------------------------------------------------------
 
-def client_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE) -> int:
-    """Authenticate to a receiver, offering the codecs ``codecs`` (``codecs.offer``); the codec
-    agreed on. Raises HandshakeRefused, or ConnectionError when the peer closes the connection
-    before the handshake is over."""
+def client_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE) -> Agreement:
+    """Authenticate to a receiver, offering the codecs ``codecs`` (``codecs.offer``); the codec agreed
+    on and the receiver's frame sizes. Raises HandshakeRefused (the receiver refused, failed to
+    authenticate, or announced frame sizes out of bounds), or ConnectionError when the peer closes
+    the connection before the handshake is over."""
     try:
         return _client_handshake(conn, secret, codecs)
     except ProtocolError as exc:
         raise ConnectionError(f"peer closed the connection during the handshake ({exc})") from None
 
 
-def _client_handshake(conn: socket.socket, secret: bytes, ours: int) -> int:
+def _client_handshake(conn: socket.socket, secret: bytes, ours: int) -> Agreement:
     client_nonce = os.urandom(_NONCE)
     conn.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, client_nonce) + _OFFER.pack(ours))
     version, status = _read_reply(conn)
@@ -236,22 +275,26 @@ def _client_handshake(conn: socket.socket, secret: bytes, ours: int) -> int:
         raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
     server_nonce = recv_exactly(conn, _NONCE)
     (theirs,) = _OFFER.unpack(recv_exactly(conn, _OFFER.size))
+    frames = FrameSizes(*_FRAME_SIZES.unpack(recv_exactly(conn, _FRAME_SIZES.size)))
     server_proof = recv_exactly(conn, 32)
-    offers = _OFFER.pack(ours) + _OFFER.pack(theirs)
-    if not hmac.compare_digest(server_proof, _proof(secret, b"S", client_nonce, server_nonce, offers)):
+    signed = _OFFER.pack(ours) + _OFFER.pack(theirs) + frames.pack()
+    if not hmac.compare_digest(server_proof, _proof(secret, b"S", client_nonce, server_nonce, signed)):
         raise HandshakeRefused("peer failed authentication (different transport secret)")
-    conn.sendall(_proof(secret, b"C", server_nonce, client_nonce, offers))
+    if (problem := frames.problem) is not None:
+        raise HandshakeRefused(f"this sender does not connect: the {problem}")
+    conn.sendall(_proof(secret, b"C", server_nonce, client_nonce, signed))
     _, status = _read_reply(conn)
     if status != 0:
         raise HandshakeRefused(f"peer refused the connection: {_read_reason(conn)}")
-    return agree(ours, theirs)
+    return Agreement(agree(ours, theirs), frames)
 
 
 def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE,
-                     admit: Callable[[], str | None] | None = None) -> int:
-    """Authenticate a connecting sender, offering the codecs ``codecs``; the codec agreed on.
-    ``admit``, called once the sender proved the secret: why the receiver cannot take the
-    connection after all (refused with that reason), or None."""
+                     admit: Callable[[], str | None] | None = None,
+                     frames: FrameSizes = DEFAULT_FRAME_SIZES) -> int:
+    """Authenticate a connecting sender, offering the codecs ``codecs`` and announcing the frame sizes
+    ``frames``; the codec agreed on. ``admit``, called once the sender proved the secret: why the
+    receiver cannot take the connection after all (refused with that reason), or None."""
     raw = recv_exactly(conn, _HELLO.size)
     magic, version, client_nonce = _HELLO.unpack(raw)
     if magic != MAGIC:
@@ -259,16 +302,16 @@ def server_handshake(conn: socket.socket, secret: bytes, codecs: int = 1 << NONE
     if version != PROTOCOL_VERSION:
         _refuse(conn, f"protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})")
     (theirs,) = _OFFER.unpack(recv_exactly(conn, _OFFER.size))
-    offers = _OFFER.pack(theirs) + _OFFER.pack(codecs)
+    signed = _OFFER.pack(theirs) + _OFFER.pack(codecs) + frames.pack()
     server_nonce = os.urandom(_NONCE)
-    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0) + server_nonce + _OFFER.pack(codecs)
-                 + _proof(secret, b"S", client_nonce, server_nonce, offers))
+    conn.sendall(_REPLY.pack(MAGIC, PROTOCOL_VERSION, 0) + server_nonce + _OFFER.pack(codecs) + frames.pack()
+                 + _proof(secret, b"S", client_nonce, server_nonce, signed))
     try:
         client_proof = recv_exactly(conn, 32)
     except (ProtocolError, OSError):
         raise HandshakeRefused("peer left the handshake: it could not authenticate this worker "
-                               "(different transport secret)") from None
-    if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce, offers)):
+                               "(different transport secret) or refused its frame sizes") from None
+    if not hmac.compare_digest(client_proof, _proof(secret, b"C", server_nonce, client_nonce, signed)):
         _refuse(conn, "authentication failed (different transport secret)")
     if admit is not None and (why := admit()) is not None:
         _refuse(conn, why)
@@ -299,5 +342,5 @@ def _read_reason(conn: socket.socket) -> str:
     return recv_exactly(conn, length).decode(errors="replace")
 
 
-def _proof(secret: bytes, side: bytes, first: bytes, second: bytes, offers: bytes) -> bytes:
-    return hmac.new(secret, side + first + second + offers, hashlib.sha256).digest()
+def _proof(secret: bytes, side: bytes, first: bytes, second: bytes, signed: bytes) -> bytes:
+    return hmac.new(secret, side + first + second + signed, hashlib.sha256).digest()

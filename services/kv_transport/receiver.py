@@ -31,9 +31,9 @@ import numpy
 
 from services.kv_transport.codecs import NONE, payload_problem
 from services.kv_transport.events import ByteBudget, Event, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, FrameHeader, HandshakeRefused,
-                                            ProtocolError, checksum, read_header, recv_into_exactly,
-                                            server_handshake)
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, FrameHeader, FrameSizes,
+                                            HandshakeRefused, ProtocolError, checksum, read_header,
+                                            recv_into_exactly, server_handshake)
 from services.kv_transport.reading import Connection, ReadLoop
 from services.kv_transport.settings import TransportSettings
 
@@ -49,8 +49,11 @@ class _Progress:
 
 
 class Receiver:
-    def __init__(self, settings: TransportSettings, host: str, port: int, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, settings: TransportSettings, host: str, port: int, tls: ssl.SSLContext | None,
+                 frames: FrameSizes) -> None:
+        """``frames``: the frame sizes announced to every sender at the handshake."""
         self._settings = settings
+        self.frames = frames
         self.allocate: Callable[[int], memoryview] = heap_buffer  # where each frame's payload is read into
         self._tls = tls
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -69,7 +72,8 @@ class Receiver:
         self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="prfaas-kv-accept", daemon=True).start()
-        logger.info("KV receiver listening on %s:%d", host, self.port)
+        logger.info("KV receiver listening on %s:%d (frames of %d bytes asked for)", host, self.port,
+                    frames.preferred)
 
     @property
     def closed(self) -> bool:
@@ -136,7 +140,8 @@ class Receiver:
             if self._tls is not None:
                 _wait_for_hello(conn, self._settings.handshake_timeout_s)
                 conn = handshake.sock = self._tls.wrap_socket(conn, server_side=True)
-            codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer, admit)
+            codec = server_handshake(conn, self._settings.secret_bytes, self._settings.codec_offer, admit,
+                                     self.frames)
         except (HandshakeRefused, ProtocolError, OSError, ssl.SSLError) as exc:
             self._refused_in_handshake(peer, exc, late=not deadline.is_alive(), displaced=handshake.displaced)
             conn.close()

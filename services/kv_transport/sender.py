@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 from services.kv_transport.codecs import NONE
 from services.kv_transport.events import ByteBudget
-from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, Bytes, HandshakeRefused,
-                                            client_handshake, encode_header)
+from services.kv_transport.protocol import (ABORT, COUNTED_KINDS, DATA, END, LAYOUT, Agreement, Bytes, FrameSizes,
+                                            HandshakeRefused, client_handshake, encode_header)
 from services.kv_transport.settings import TransportSettings
 from services.kv_transport.telemetry import Clock, PeerTelemetry, tcp_info
 from services.kv_transport.wakeup import WakePipe
@@ -121,6 +121,7 @@ class PeerLink:
         self._unreachable_until = 0.0
         self.recent_failures: deque[tuple[str, str]] = deque(maxlen=RECENT_FAILURES)  # (transfer id, reason)
         self._agreed: int | None = None  # the codec the last handshake agreed on (None: none yet)
+        self._announced: int | None = None  # the frame payload the receiver last asked for (None: no handshake yet)
         num_threads = min(settings.io_threads, settings.connections_per_peer)
         self._drivers = [_Driver(i, [_Connection(conn_id, Clock(settings.telemetry_interval_s))
                                      for conn_id in range(i, settings.connections_per_peer, num_threads)])
@@ -153,11 +154,13 @@ class PeerLink:
         the sockets, or dropped with its transfer. With ``coding``, each frame is coded with the
         codec its connection agreed on: here, on the calling thread, once a handshake has agreed on
         one (so the I/O thread only writes), else as it goes out. ``divisible``: the payload is its
-        blocks one after another, so a frame may also be cut as it goes out (``_cut``); a payload laid
-        out otherwise (K of every block, then V; or pieces of heads) must fit one frame."""
+        blocks one after another, so it is cut at the receiver's frame size (``frame_bytes``), and a
+        frame may also be cut as it goes out (``_cut``); a payload laid out otherwise (K of every
+        block, then V; or pieces of heads) is cut at this end's cap alone (``frame_cap``: the size
+        its maker knew, independent of any handshake) and must fit one frame."""
         payload = memoryview(payload).cast("B")
         block_bytes = len(payload) // max(num_blocks, 1)
-        target = min(self._settings.frame_bytes, self._settings.max_frame_bytes)
+        target = self.frame_bytes if divisible else self._settings.frame_cap
         blocks_per_frame = max(1, target // max(block_bytes, 1))
         starts = range(0, max(num_blocks, 1), blocks_per_frame)
         countdown = _Countdown(len(starts), on_sent) if on_sent is not None else None
@@ -166,6 +169,12 @@ class PeerLink:
             chunk = payload[first * block_bytes:(first + count) * block_bytes] if num_blocks else payload
             self._enqueue(transfer_id, DATA, chunk, layer, group, block_start + first, count, countdown, coding,
                           self._code_ahead(chunk, coding), divisible)
+
+    @property
+    def frame_bytes(self) -> int:
+        """The payload a frame of whole blocks carries at most: this end's cap, or the receiver's
+        announced frame size when a handshake told it and it is smaller."""
+        return min(self._settings.frame_cap, self._announced or self._settings.frame_cap)
 
     def send_layout(self, transfer_id: str, layout: bytes) -> None:
         """Queue the transfer's LAYOUT frame; may block (backpressure)."""
@@ -324,13 +333,14 @@ class PeerLink:
                 self._drop(conn, poller, f"KV peer {self.peer} closed an idle connection")
             if conn.sock is None:
                 try:
-                    conn.sock, conn.codec = self._connect()
+                    conn.sock, agreement = self._connect()
                 except (OSError, HandshakeRefused) as exc:
                     if (failed := self._pop()) is not None:
                         self._release(failed)
                         self._fail(failed.transfer_id, f"KV connection to {self.peer} failed: {exc}")
                     continue
                 poller.register(conn.sock, 0)
+                conn.codec, conn.frame_bytes = agreement.codec, self._frame_bytes_for(agreement.frames)
                 conn.used_by, conn.notsent_lowat = set(), self._settings.notsent_lowat_bytes
             if (item := self._pop(conn)) is None:
                 return False
@@ -344,23 +354,28 @@ class PeerLink:
         return False
 
     def _cut(self, item: _Outgoing, conn: "_Connection") -> _Outgoing:
-        """The part of a frame this connection takes now: about the bytes it may keep unsent (its
-        ``TCP_NOTSENT_LOWAT``, some milliseconds at its rate), in whole blocks; the rest goes back to
-        the front of the queue for whichever connection has room next. A connection whose socket is
-        full thus holds no more of a transfer than that, and the end of a transfer is not left on
-        the connections that happened to take its last large frames, at their share of the link,
-        while the others idle. On a fast link the allowance is above the frame size and nothing is
-        cut. A frame coded ahead, or whose payload is not its blocks one after another, goes whole.
-        The END frame counts the parts (all of them went before it). Called with ``_cond`` held."""
+        """The part of a frame this connection takes now: at most the receiver's frame size (a frame
+        cut before the first handshake told it was cut at this end's cap), and with other
+        connections to share with, about the bytes it may keep unsent (its ``TCP_NOTSENT_LOWAT``,
+        some milliseconds at its rate), in whole blocks; the rest goes back to the front of the queue
+        for whichever connection has room next. A connection whose socket is full thus holds no more
+        of a transfer than that, and the end of a transfer is not left on the connections that
+        happened to take its last large frames, at their share of the link, while the others idle.
+        On a fast link the allowance is above the frame size and nothing is cut. A frame coded ahead
+        (cut at the receiver's size already), or whose payload is not its blocks one after another,
+        goes whole. The END frame counts the parts (all of them went before it). Called with
+        ``_cond`` held."""
         if item.kind == END:
             if (transfer := self._transfers.get(item.transfer_id)) is not None:
                 item.seq = transfer.num_frames
             return item
-        if (not item.divisible or item.num_blocks < 2 or item.coded is not None
-                or self._settings.connections_per_peer < 2):
+        if not item.divisible or item.num_blocks < 2 or item.coded is not None:
             return item
         block_bytes = max(len(item.payload) // item.num_blocks, 1)
-        parts = -(-item.num_blocks // max(-(-conn.notsent_lowat // block_bytes), 1))
+        per_part = max(1, conn.frame_bytes // block_bytes)
+        if self._settings.connections_per_peer >= 2:
+            per_part = min(per_part, max(-(-conn.notsent_lowat // block_bytes), 1))
+        parts = -(-item.num_blocks // per_part)
         take = -(-item.num_blocks // parts)
         if parts < 2 or (transfer := self._transfers.get(item.transfer_id)) is None:
             return item
@@ -442,8 +457,13 @@ class PeerLink:
         if item.on_sent is not None:
             item.on_sent.tick()
 
-    def _connect(self) -> tuple[socket.socket, int]:
-        """A connected, authenticated socket and the codec agreed on with the peer."""
+    def _frame_bytes_for(self, frames: FrameSizes) -> int:
+        """The frame payload for a receiver that announced ``frames``: the smaller of this end's cap
+        and its preferred size (which its handshake checked is within its limit)."""
+        return min(self._settings.frame_cap, frames.preferred, frames.limit)
+
+    def _connect(self) -> tuple[socket.socket, Agreement]:
+        """A connected, authenticated socket and what its handshake settled with the peer."""
         if time.monotonic() < self._unreachable_until:
             raise ConnectionRefusedError("peer unreachable (recent connect failure)")
         sock = None
@@ -454,16 +474,17 @@ class PeerLink:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self._settings.notsent_lowat_bytes)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
-            codec = client_handshake(sock, self._settings.secret_bytes, self._settings.codec_offer)
+            agreement = client_handshake(sock, self._settings.secret_bytes, self._settings.codec_offer)
             sock.setblocking(False)
-            self._agreed = codec  # later frames are coded ahead for it (``_code_ahead``)
-            return sock, codec
+            self._announced = agreement.frames.preferred  # later payloads are cut at it (``frame_bytes``)
+            self._agreed = agreement.codec  # later frames are coded ahead for it (``_code_ahead``)
+            return sock, agreement
         except (OSError, HandshakeRefused) as exc:
             if sock is not None:
                 sock.close()
             self._unreachable_until = time.monotonic() + RECONNECT_BACKOFF_S
             if isinstance(exc, HandshakeRefused):
-                logger.error("KV peer %s refused the connection: %s", self.peer, exc)
+                logger.error("KV handshake with %s failed: %s", self.peer, exc)
             raise
 
     def _complete(self, transfer_id: str) -> None:
@@ -501,6 +522,7 @@ class _Connection:
     clock: Clock
     sock: socket.socket | None = None
     codec: int = NONE                               # agreed at its handshake
+    frame_bytes: int = 0                            # the most a frame of whole blocks carries (its handshake)
     item: _Outgoing | None = None
     views: list[memoryview] = field(default_factory=list)  # what is left to send of ``item`` (header, payload)
     size: int = 0

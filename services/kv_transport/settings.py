@@ -7,9 +7,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from services.kv_transport.codecs import CODECS, offer
+from services.kv_transport.protocol import DEFAULT_FRAME_SIZES, FrameSizes
 
 _T = TypeVar("_T")
 MAX_IO_THREADS = 64
+ZERO_MEANS_DEFAULT = ("frame_bytes",)  # keys whose 0 asks for each end's own default
 
 
 class SettingsError(ValueError):
@@ -29,12 +31,18 @@ class TransportSettings:
                            "(at most 64). Their copies and checksums run in parallel, so where an end has cores to "
                            "spare, goodput grows with them up to the link's limit; where it has one (a 2-core host), "
                            "a second thread costs 15-25% more CPU per GiB, hence 1 (docs/transport.md).")
-    frame_bytes: int = _opt(512 << 10, "Target frame payload: a layer's blocks are split into frames of whole "
-                            "blocks up to this size (a single larger block is one frame), so connections share "
-                            "a transfer in small units and none holds its tail; a connection whose unsent "
-                            "allowance (see `notsent_queue_ms`) is smaller takes such a frame in parts of it.")
-    max_frame_bytes: int = _opt(8 << 20, "Largest frame payload a receiver accepts; senders never pack frames "
-                                "beyond it (a single block larger than this cannot be sent).")
+    frame_bytes: int = _opt(0, "Frame payload. A receiver announces its frame size at the KV handshake; a sender "
+                            "cuts a layer's blocks into frames of whole blocks up to the smaller of this and what the "
+                            "receiver announced (a single larger block is one frame), so connections share a "
+                            "transfer in small units and none holds its tail; a connection whose unsent allowance "
+                            "(see `notsent_queue_ms`) is smaller takes such a frame in parts of it. 0: each end's "
+                            "default: a receiver announces its device's size (a decode engine whose KV cache is on "
+                            "CUDA 8 MiB, which its host-to-device copies need: docs/gpu.md; every other receiver "
+                            "512 KiB), and a sender takes what the receiver announces. Set, it is both what "
+                            "receivers announce and the most senders send.")
+    max_frame_bytes: int = _opt(DEFAULT_FRAME_SIZES.limit, "Largest frame payload a receiver accepts (it announces "
+                                "it at the handshake); senders never pack frames beyond it (a single block larger "
+                                "than this cannot be sent).")
     notsent_lowat_bytes: int = _opt(1 << 20, "Most unsent bytes a connection may hold in its socket buffer "
                                      "(`TCP_NOTSENT_LOWAT`); a frame goes to the next connection with room, so "
                                      "one slowed by loss does not sit on queued frames while the others idle.")
@@ -97,14 +105,19 @@ class TransportSettings:
                 values[key] = value = float(value)
             if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
                 raise SettingsError(f"transport.{key}: expected {expected.__name__}, got {value!r}")
-            if expected in (int, float) and isinstance(value, (int, float)) and value <= 0:
-                raise SettingsError(f"transport.{key}: must be positive, got {value!r}")
+            if (expected in (int, float) and isinstance(value, (int, float)) and value <= 0
+                    and not (value == 0 and key in ZERO_MEANS_DEFAULT)):
+                allowed = "0 (each end's default) or positive" if key in ZERO_MEANS_DEFAULT else "positive"
+                raise SettingsError(f"transport.{key}: must be {allowed}, got {value!r}")
         settings = cls(**values)
         if settings.codec not in CODECS:
             raise SettingsError(f"transport.codec: {settings.codec!r} is not one of {', '.join(CODECS)}")
         if settings.notsent_lowat_bytes >= 1 << 31:
             raise SettingsError(f"transport.notsent_lowat_bytes: {settings.notsent_lowat_bytes} does not fit the "
                               "kernel's socket option (below 2 GiB)")
+        if settings.max_frame_bytes >= 1 << 64:
+            raise SettingsError(f"transport.max_frame_bytes: {settings.max_frame_bytes} does not fit the handshake's "
+                              "64-bit field")
         if settings.frame_bytes > settings.max_frame_bytes:
             raise SettingsError(f"transport.frame_bytes: {settings.frame_bytes} is above max_frame_bytes "
                               f"({settings.max_frame_bytes}), which receivers would refuse")
@@ -124,6 +137,16 @@ class TransportSettings:
     @property
     def secret_bytes(self) -> bytes:
         return (self.secret or os.environ.get(self.secret_env, "")).encode()
+
+    @property
+    def frame_cap(self) -> int:
+        """The largest frame payload this end sends: ``frame_bytes``, or ``max_frame_bytes`` when it is 0."""
+        return min(self.frame_bytes or self.max_frame_bytes, self.max_frame_bytes)
+
+    def frame_sizes(self, default: int = DEFAULT_FRAME_SIZES.preferred) -> FrameSizes:
+        """What this end's receiver announces: ``frame_bytes``, or when it is 0 the receiving
+        service's ``default``, at most ``max_frame_bytes``; and ``max_frame_bytes``."""
+        return FrameSizes(min(self.frame_bytes or default, self.max_frame_bytes), self.max_frame_bytes)
 
     @property
     def codec_offer(self) -> int:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from services.kv_transport.events import Event, Frame, TransferDone, TransferFailed
-from services.kv_transport.protocol import Bytes, block_frame_fields
+from services.kv_transport.protocol import DEFAULT_FRAME_SIZES, Bytes, block_frame_fields
 from services.kv_transport.receiver import Receiver
 from services.kv_transport.sender import Coding, Encoder, PeerLink
 from services.kv_transport.settings import TransportSettings
@@ -27,10 +27,13 @@ __all__ = ["Frame", "KVTransport", "TransferDone", "TransferFailed"]
 
 class KVTransport:
     def __init__(self, settings: TransportSettings, listen_host: str = "127.0.0.1",
-                 listen_port: int | None = None, encoder: Encoder | None = None) -> None:
+                 listen_port: int | None = None, encoder: Encoder | None = None,
+                 frame_bytes: int = DEFAULT_FRAME_SIZES.preferred) -> None:
         """``listen_port`` None: send only; 0: listen on a free port (see ``port``). ``encoder``
         codes the payloads sent with a ``coding`` (the connector's, ``kv_connector/codecs.py``);
-        without one everything is sent raw."""
+        without one everything is sent raw. ``frame_bytes``: the frame payload the receiver asks
+        senders for at the handshake when ``settings.frame_bytes`` is 0 (the receiving service's
+        default; the connector's depends on its device)."""
         self.settings = settings
         self._encoder = encoder
         self.listen_host = listen_host
@@ -41,11 +44,17 @@ class KVTransport:
         self._links_lock = threading.Lock()
         self._receiver = None
         if listen_port is not None:
-            self._receiver = Receiver(settings, listen_host, listen_port, _server_tls(settings))
+            self._receiver = Receiver(settings, listen_host, listen_port, _server_tls(settings),
+                                      settings.frame_sizes(frame_bytes))
 
     @property
     def port(self) -> int | None:
         return self._receiver.port if self._receiver else None
+
+    @property
+    def receive_frame_bytes(self) -> int | None:
+        """The frame payload this end's receiver announces (None: send only)."""
+        return self._receiver.frames.preferred if self._receiver else None
 
     def send(self, peer: str, transfer_id: str, layer: int, group: int, block_start: int, num_blocks: int,
              payload: Bytes, on_sent: Callable[[], None] | None = None, coding: Coding | None = None,
@@ -58,6 +67,13 @@ class KVTransport:
         smaller runs of blocks as they go out (a slow connection then holds less of the transfer)."""
         self._link(peer).send(transfer_id, layer, group, block_start, num_blocks, payload, on_sent, coding,
                               divisible)
+
+    def frame_bytes(self, peer: str) -> int:
+        """The most a frame to ``peer`` carries: this end's cap (``TransportSettings.frame_cap``), or
+        the frame size ``peer`` announced at a handshake when smaller. A payload that is not whole
+        blocks one after another is cut at the cap alone, never finer, so one made this size before
+        the handshake arrives as it was made."""
+        return self._link(peer).frame_bytes
 
     def send_layout(self, peer: str, transfer_id: str, layout: bytes) -> None:
         """Queue the producer's KV layout (a LAYOUT frame), which the consumer checks before writing blocks."""

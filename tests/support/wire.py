@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 
+FRAME_BYTES = 512 << 10  # what a stand-in transport's ``frame_bytes(peer)`` says
+
+
 def parts_on_the_wire(block_start: int, num_blocks: int, payload, divisible: bool) -> list[tuple[int, int, memoryview]]:
     """The frames one ``send`` may arrive as, ``(block_start, num_blocks, payload)`` each: a payload
     the sender marked divisible, of several blocks, cut in two between blocks (as the transport may cut

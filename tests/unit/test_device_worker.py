@@ -14,6 +14,7 @@ from services.kv_connector.layouts.pages import KVLayout
 from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, SendSpec
 from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_transport import Frame, TransferDone, protocol
+from support.wire import FRAME_BYTES
 
 BLOCKS, HEADS, TOKENS, HEAD = 64, 2, 16, 8
 NUM_TOKENS = 300
@@ -23,9 +24,13 @@ class _Wire:
     """Stands in for KVTransport: records frames; a payload is copied, then released, as the real
     transport does once it is in the sockets."""
 
-    def __init__(self) -> None:
+    def __init__(self, frame_bytes: int = 0) -> None:
         self.frames: list = []
         self.threads: set[str] = set()
+        self.receive_frame_bytes = frame_bytes  # what its receiver would announce
+
+    def frame_bytes(self, peer: str) -> int:
+        return FRAME_BYTES
 
     def send_layout(self, peer, transfer_id, payload) -> None:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))

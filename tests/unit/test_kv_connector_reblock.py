@@ -22,7 +22,7 @@ from services.kv_connector.metadata import PrfaasConnectorMetadata, RecvSpec, Se
 from services.kv_connector.consumer import ReceiveSettings
 from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_transport import Frame, TransferDone, protocol
-from support.wire import parts_on_the_wire
+from support.wire import FRAME_BYTES, parts_on_the_wire
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 2, 4, 2, 4, 3
@@ -34,9 +34,13 @@ class _Wire:
     """Stands in for KVTransport on both sides: the producer's sends become frames, which the
     consumer's ``poll`` hands out."""
 
-    def __init__(self) -> None:
+    def __init__(self, frame_bytes: int = 0) -> None:
         self.frames: list = []
         self.pending: list = []
+        self.receive_frame_bytes = frame_bytes  # what its receiver would announce
+
+    def frame_bytes(self, peer: str) -> int:
+        return FRAME_BYTES
 
     def send_layout(self, peer: str, transfer_id: str, payload: bytes) -> None:
         self.frames.append(Frame(transfer_id, 0, 0, 0, 0, memoryview(bytes(payload)), protocol.LAYOUT))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,7 @@ from services.kv_connector.worker import PrfaasConnectorWorker, WorkerSettings
 from services.kv_connector.codecs import encode
 from services.kv_transport import Frame, TransferDone, TransferFailed, codecs, protocol
 from support.sync_recorder import mark_caches, recording_syncs
-from support.wire import parts_on_the_wire
+from support.wire import FRAME_BYTES, parts_on_the_wire
 
 NUM_BLOCKS, HEADS, HEAD_SIZE = 24, 2, 8
 K_HEADS, K_DIM, V_HEADS, V_DIM, STATE_LEN = 4, 4, 4, 4, 3  # at TP 4 the 2 KV heads are replicated, these not
@@ -40,11 +41,15 @@ class _Wire:
     """Stands in for one rank's KVTransport: sends are recorded with their address; ``poll`` hands
     out what the test delivered."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, frame_bytes: int = 0) -> None:
         self.sent: list[tuple[str, object]] = []
         self.pending: list = []
         self.listen_host, self.port = "127.0.0.1", port
+        self.receive_frame_bytes = frame_bytes  # what its receiver would announce
         self.allocate = None  # on CUDA: where frames are read into (the loader's receive ring, or not)
+
+    def frame_bytes(self, peer: str) -> int:
+        return FRAME_BYTES
 
     def receive_into(self, allocate) -> None:
         self.allocate = allocate
@@ -124,7 +129,7 @@ def _rank(tp_size: int, tp_rank: int, block_size: int, fill: bool, kv_heads: int
               "l1": (attention_cache if fill else torch.zeros_like(attention_cache)).to(torch.bfloat16)}
     kernel = CACHE_LAYOUTS[layout] if layout in ("cpu", "amx") else ""
     spec = spec_from_vllm("tiny", config, ["l0", "l1"], tp_rank, tp_size, kv_heads, cache_layout=CACHE_LAYOUTS[layout])
-    worker = PrfaasConnectorWorker(lambda: _Wire(7000 + tp_rank),
+    worker = PrfaasConnectorWorker(partial(_Wire, 7000 + tp_rank),
                                    WorkerSettings(ReceiveSettings(10.0, 1 << 24), SendSettings(code_sends=code_sends),
                                                   host_ring_bytes=1 << 20, host_ring_slot_bytes=64 << 10),
                                    device_of=device_of)

@@ -329,7 +329,8 @@ def test_a_stalled_or_broken_connection_fails_its_transfer_and_other_peers_keep_
     rx, tx, healthy = pair(tx_settings=TransportSettings(secret=SECRET, io_timeout_s=1.0, connections_per_peer=2))
     listener, held, bad = _silent_peer(read_bytes)
     try:
-        tx.send(bad, "t-bad", 0, 0, 0, 64, os.urandom(64 << 16))  # 4 MiB: more than the sockets hold
+        # 4 MiB in frames of the 512 KiB the peer announces: more than the sockets hold
+        tx.send(bad, "t-bad", 0, 0, 0, 64, os.urandom(64 << 16), divisible=True)
         tx.finish(bad, "t-bad")
         tx.send(healthy, "t-ok", 0, 0, 0, 4, os.urandom(4 * 4096))
         tx.finish(healthy, "t-ok")

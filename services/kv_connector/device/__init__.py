@@ -15,6 +15,13 @@ DEFAULT_SLOT_BYTES = 16 << 20
 # 8B-class model (1 GiB in ~130 ms on an H100, faster than any link drains it), so a prefill waits
 # for the network only when the previous one has not left yet (docs/gpu.md, "Defaults on CUDA and why").
 CUDA_SAVE_RING_BYTES = 1 << 30
+# The frame payload a consumer asks producers for at the KV handshake when `transport.frame_bytes` is
+# not set: on CUDA, 8 MiB frames reached 0.81-0.87x of a pinned host-to-device copy on an H100 where
+# 512 KiB frames held it to 0.16-0.35x (each frame costs the engine thread a copy to issue and its
+# batch an index and an event); elsewhere the transport's default, whose CPU measurements put 512 KiB
+# to 8 MiB within noise (docs/gpu.md, "Defaults on CUDA and why").
+CUDA_FRAME_BYTES = 8 << 20
+CPU_FRAME_BYTES = 512 << 10
 
 
 def save_ring_bytes(configured: int | None, is_cuda: bool) -> int:
@@ -26,3 +33,9 @@ def receive_ring_bytes(configured: int | None) -> int:
     """The receiver's ring (CUDA only): ``host_ring_bytes`` when set, else the CPU default, which
     holds more than one engine step's worth of frames at any link rate measured here."""
     return configured or DEFAULT_RING_BYTES
+
+
+def receive_frame_bytes(is_cuda: bool) -> int:
+    """The frame payload a consumer on this device asks producers for (``transport.frame_bytes``
+    set overrides it)."""
+    return CUDA_FRAME_BYTES if is_cuda else CPU_FRAME_BYTES

@@ -45,11 +45,8 @@ class DecodeWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.DecodeWorkerServic
             await stream.aclose()
 
 
-class PdPrefillServicer(worker_rpc.WorkerServicer, pb_grpc.PrefillWorkerServicer):
+class PdPrefillServicer(worker_rpc.PrefillServicer, pb_grpc.PrefillWorkerServicer):
     """The PrefillWorker API of a PD worker, for the prefills the router sends to a prefill role."""
-
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        return await worker_rpc.prefill(self._engine, self._guard, request, context)
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

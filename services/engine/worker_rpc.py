@@ -19,6 +19,7 @@ from services.kv_transport import PROTOCOL_VERSION as KV_PROTOCOL_VERSION
 from services.kv_transport.telemetry import TransportSnapshot
 from services.logs import bind_request_id
 from services.worker_api import convert
+from services.worker_api.types import MAX_RESERVE_WAIT_S
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,21 @@ class WorkerServicer:
             code = grpc.StatusCode.INVALID_ARGUMENT if request.role not in ("prefill", "decode") \
                 else grpc.StatusCode.FAILED_PRECONDITION
             await context.abort(code, str(exc))
+        if state.draining:  # hand-offs waiting for a slot go elsewhere now
+            self._guard.handoffs.refuse_waiters("the worker is draining for a role flip")
         logger.info("role set by %s: %s%s (generation %d)", context.peer(), state.role,
                     ", draining" if state.draining else "", state.generation)
         return pb.RoleState(role=state.role, draining=state.draining, generation=state.generation)
+
+
+class PrefillServicer(WorkerServicer):
+    """PrefillWorker's calls, which a PrfaaS prefill worker and a PD worker both serve."""
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        return await prefill(self._engine, self._guard, request, context)
+
+    async def ReserveHandoff(self, request: pb.ReserveHandoffRequest, context) -> pb.HandoffReservation:
+        return await reserve_handoff(self._guard, request, context)
 
 
 async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
@@ -83,10 +96,27 @@ async def prefill(engine: Engine, guard: CallerGuard, request: pb.PrefillRequest
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
     try:  # RESOURCE_EXHAUSTED before anything starts: the router waits or goes elsewhere
         guard.roles.check_prefill()
-        with guard.handoffs.held() if request.kv_target else contextlib.nullcontext():
+        with guard.handoffs.held(request.handoff_reservation) if request.kv_target else contextlib.nullcontext():
             return await _prefill(engine, request, context)
     except Busy as exc:
+        guard.handoffs.cancel(request.handoff_reservation)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+
+async def reserve_handoff(guard: CallerGuard, request: pb.ReserveHandoffRequest, context) -> pb.HandoffReservation:
+    """One hand-off slot held for the Prefill that names it (services/engine/worker_state.HandoffSlots):
+    waits in the worker's one queue up to ``wait_s``; RESOURCE_EXHAUSTED after that, or at once while
+    the worker drains."""
+    bind_request_id(request.request_id)
+    if not 0 <= request.wait_s <= MAX_RESERVE_WAIT_S:  # also NaN
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"wait_s must be from 0 to {MAX_RESERVE_WAIT_S:g} seconds, not {request.wait_s}")
+    try:
+        guard.roles.check_prefill()
+        reservation = await guard.handoffs.reserve(request.wait_s)
+    except Busy as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    return pb.HandoffReservation(reservation_id=reservation)
 
 
 async def _prefill(engine: Engine, request: pb.PrefillRequest, context) -> pb.PrefillResponse:

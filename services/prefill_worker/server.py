@@ -11,9 +11,8 @@ from services.engine.engine import Engine
 from services.engine.serve import CallerGuard, WorkerIdentity
 
 
-class PrefillWorkerServicer(worker_rpc.WorkerServicer, pb_grpc.PrefillWorkerServicer):
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        return await worker_rpc.prefill(self._engine, self._guard, request, context)
+class PrefillWorkerServicer(worker_rpc.PrefillServicer, pb_grpc.PrefillWorkerServicer):
+    """PrefillWorker as worker_rpc serves it."""
 
 
 def add_servicer(engine: Engine, identity: WorkerIdentity, server: grpc.aio.Server, guard: CallerGuard) -> str:

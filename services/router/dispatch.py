@@ -212,8 +212,7 @@ class Dispatcher:
         # a hand-off waiting for its turn is the prefill worker's load already
         prefill = self._pool.lease(route.prefill)
         try:
-            await self._pool.acquire_handoff(prefill, request.request_id)
-            await prefill.acquire_stream()
+            await self._pool.acquire_handoff(prefill, request.request_id)  # and one of its streams
             self._metrics.routed.labels(route.path).inc()
             consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
             call = self._pool.generate(decode, consumer)

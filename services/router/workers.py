@@ -26,7 +26,7 @@ from services.scheduling.backoff import Backoff, BackoffConfig
 from services.scheduling.placement import PromptCache, Route, WorkerView, choose_route, pick_least_loaded
 from services.security import GrpcSecurity
 from services.worker_api import convert
-from services.worker_api.types import GenerateInput, PrefixUpdate, TokenDelta, WorkerStats
+from services.worker_api.types import MAX_RESERVE_WAIT_S, GenerateInput, PrefixUpdate, TokenDelta, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,8 @@ class WorkerHandle:
     num_started_since_poll: int = 0  # requests (leases) this router started on it since its last stats answer
     # The worker refused a hand-off as busy since its last stats answer: wait for the next one.
     handoff_refused: bool = False
+    # The worker answers ReserveHandoff (False: an older worker, whose slots are read from its stats).
+    reserves: bool = True
     refresh: asyncio.Future | None = None  # a stats call made for the hand-offs waiting here (shared)
     # Polls in a row that the worker did not answer (health check or stats call failed or timed out):
     # a hung process or a dead link, not a worker that answers NOT_SERVING while it drains.
@@ -181,9 +183,10 @@ class WorkerHandle:
 class Lease:
     """One request's hold on a worker: counted in its load (``num_in_flight`` and the committed
     tokens) from creation, holding one of its request streams after ``acquire_stream`` and one of its
-    hand-off slots after ``WorkerPool.acquire_handoff``, until ``release`` (later calls do nothing)."""
+    hand-off slots after ``WorkerPool.acquire_handoff``, until ``release`` (later calls do nothing).
+    ``reservation``: the worker's own hand-off slot held for this lease's Prefill (ReserveHandoff)."""
 
-    __slots__ = ("handle", "_num_committed_tokens", "_stream", "_handoff", "_released")
+    __slots__ = ("handle", "_num_committed_tokens", "_stream", "_handoff", "_released", "reservation")
 
     def __init__(self, handle: WorkerHandle, num_committed_tokens: int) -> None:
         self.handle = handle
@@ -191,6 +194,7 @@ class Lease:
         self._stream = False
         self._handoff: asyncio.Semaphore | None = None
         self._released = False
+        self.reservation = ""
         handle.num_in_flight += 1
         handle.num_started_since_poll += 1
         handle.num_committed_tokens += num_committed_tokens
@@ -417,9 +421,10 @@ class WorkerPool:
 
     async def acquire_handoff(self, lease: Lease, request_id: str) -> None:
         """Waits for one of the leased prefill worker's hand-off slots
-        (RouterConfig.max_handoffs_per_prefill_worker): this router's own, then the worker's as it
-        reports them. Raises PrefillFailed when the worker stops being usable (failed health checks)
-        or drains while this waits."""
+        (RouterConfig.max_handoffs_per_prefill_worker): this router's own, then one of its request
+        streams, then the worker's own slot, reserved in the worker's queue, which every router shares
+        first come first served. Raises PrefillFailed when the worker stops being usable (failed health
+        checks) or drains while this waits."""
         handle = lease.handle
         gauge = self._metrics.handoffs_waiting.labels(handle.name)
         handle.num_handoffs_waiting += 1
@@ -436,14 +441,47 @@ class WorkerPool:
                         logger.warning("request %s: prefill worker %s stopped answering while the request waited "
                                        "for it; prefilling locally instead", request_id, handle.name)
                         raise PrefillFailed() from None
-            await self._wait_for_worker_slot(lease, request_id)
+            await lease.acquire_stream()
+            await self._hold_worker_slot(lease, request_id)
         finally:
             handle.num_handoffs_waiting -= 1
             gauge.set(handle.num_handoffs_waiting)
 
+    async def _hold_worker_slot(self, lease: Lease, request_id: str) -> None:
+        """The worker's own slot (its stats say it has a limit): reserved in the worker's queue, which
+        serves every router first come first served; the Prefill names the reservation."""
+        handle = lease.handle
+        if handle.handoff_refused or not handle.stats.max_handoffs or not handle.reserves:
+            await self._wait_for_worker_slot(lease, request_id)  # its next stats say why it refused
+            return
+        wait_s = min(self._config.request_timeout_s, MAX_RESERVE_WAIT_S)
+        call = handle.prefill.ReserveHandoff(convert.reserve_handoff_request(request_id, wait_s),
+                                             timeout=wait_s + self._config.connect_timeout_s)
+        task = asyncio.ensure_future(call)
+        try:
+            while not (await asyncio.wait({task}, timeout=self._config.stats_interval_s))[0]:
+                if not self.is_usable(handle):
+                    logger.warning("request %s: prefill worker %s stopped answering while the request waited for "
+                                   "it; prefilling locally instead", request_id, handle.name)
+                    raise PrefillFailed()
+            lease.reservation = task.result().reservation_id
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("worker %s reserves no hand-off slots (an older worker); its stats are read instead",
+                            handle.name)
+                handle.reserves = False
+                await self._wait_for_worker_slot(lease, request_id)
+                return
+            logger.info("request %s: prefill worker %s gave no hand-off slot (%s: %s); prefilling locally instead",
+                        request_id, handle.name, exc.code().name, exc.details())
+            raise PrefillFailed() from None
+        finally:
+            call.cancel()  # a wait given up leaves the worker's queue
+
     async def _wait_for_worker_slot(self, lease: Lease, request_id: str) -> None:
-        """Other routers hold some of the worker's slots: wait until its last reported count plus the
-        hand-offs this router started since then leaves one free (the worker refuses the rest anyway)."""
+        """A worker without ReserveHandoff whose slots other routers hold: wait until its last reported
+        count plus the hand-offs this router started since then leaves one free (the worker refuses the
+        rest anyway)."""
         handle = lease.handle
         while handle.handoff_refused or (handle.stats.max_handoffs and handle.stats.num_handoffs
                                          + handle.num_handoffs_since_poll >= handle.stats.max_handoffs):
@@ -469,7 +507,8 @@ class WorkerPool:
         """Starts the request's Prefill on the leased worker, streaming its KV to ``decode``. The call
         owns the lease from here: it is released, and the outcome recorded, when the call ends."""
         handle = lease.handle
-        call = handle.prefill.Prefill(convert.prefill_request_to_proto(request, decode.kv_address, decode.tp_size),
+        call = handle.prefill.Prefill(convert.prefill_request_to_proto(request, decode.kv_address, decode.tp_size,
+                                                                       lease.reservation),
                                       timeout=self._config.request_timeout_s)
         task = asyncio.ensure_future(call)
         task.add_done_callback(lambda done: self._prefill_done(done, request.request_id, lease))

@@ -179,11 +179,17 @@ def set_role_request(expected_generation: int, role: str, draining: bool) -> pb.
     return pb.SetRoleRequest(expected_generation=expected_generation, role=role, draining=draining)
 
 
-def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_tp_size: int = 1) -> pb.PrefillRequest:
+def prefill_request_to_proto(request: GenerateInput, kv_target: str, kv_target_tp_size: int = 1,
+                             handoff_reservation: str = "") -> pb.PrefillRequest:
     """The PrfaaS prefill of ``request``, streaming its KV to ``kv_target`` (an engine of
-    ``kv_target_tp_size`` ranks) under the request's id."""
+    ``kv_target_tp_size`` ranks) under the request's id, in the slot ``handoff_reservation`` holds."""
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size)
+                             kv_target=kv_target, transfer_id=request.request_id, kv_target_tp_size=kv_target_tp_size,
+                             handoff_reservation=handoff_reservation)
+
+
+def reserve_handoff_request(request_id: str, wait_s: float) -> pb.ReserveHandoffRequest:
+    return pb.ReserveHandoffRequest(request_id=request_id, wait_s=wait_s)
 
 
 def stats_request() -> pb.StatsRequest:

@@ -53,6 +53,8 @@ class Sampling:
 
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default `max_logprobs`
+# The longest a ReserveHandoff call waits for a hand-off slot (its wait_s).
+MAX_RESERVE_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ until released, and the router must keep the others waiting without holding up l
 import asyncio
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prfaas.v1 import worker_pb2 as wpb
 from prfaas.v1 import worker_pb2_grpc as wpb_grpc
@@ -21,8 +22,10 @@ from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
 from services.router.workers import WorkerPool
 from services.scheduling.congestion import FixedThreshold
-from services.engine.worker_state import Busy, HandoffSlots
-from services.security import GrpcSecurity
+from services.engine import worker_rpc
+from services.engine.serve import CallerGuard
+from services.engine.worker_state import Busy, HandoffSlots, RoleState
+from services.security import GrpcSecurity, Rejections
 
 MAX_HANDOFFS = 2
 NUM_LONG = 6
@@ -79,11 +82,7 @@ async def _scenario(prefill_fails: str = ""):
     servicer = HeldWorkers()
     decode_server, decode_port = await _serve(servicer, security)
     prefill_server, prefill_port = await _serve(servicer, security)
-    config = parse_config({
-        "model": {"name": "m", "path": "/m"},
-        "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": MAX_HANDOFFS},
-        "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
-                    {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+    config = _config(decode_port, prefill_port, MAX_HANDOFFS)
     metrics = RouterMetrics()
     pool = WorkerPool(config.workers, config.router, metrics, security=security)
     try:
@@ -283,14 +282,21 @@ def test_a_kv_transfer_that_fails_at_the_sender_is_prefilled_locally_at_once():
 
 class SlottedWorkers(HeldWorkers):
     """HeldWorkers whose prefill worker enforces its hand-off slots itself, as a real worker does
-    (services/engine/worker_state.HandoffSlots: RESOURCE_EXHAUSTED when every slot is held), and
-    reports them in its stats."""
+    (services/engine/worker_state.HandoffSlots through the worker's own ReserveHandoff: one queue for
+    every router; RESOURCE_EXHAUSTED for a Prefill when every slot is held), and reports them in its
+    stats."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.slots = HandoffSlots(limit)
+        self.guard = CallerGuard(kv_targets=None, rejections=Rejections("p"), roles=RoleState("prefill"),
+                                 handoffs=self.slots)
         self.num_refused = 0
         self.transfers: set[str] = set()
+        self.prefill_order: list[str] = []
+
+    async def ReserveHandoff(self, request, context):
+        return await worker_rpc.reserve_handoff(self.guard, request, context)
 
     async def Generate(self, request, context):
         """A KV transfer id is used once: the real decode worker drops a cancelled transfer's id for good,
@@ -304,7 +310,8 @@ class SlottedWorkers(HeldWorkers):
 
     async def Prefill(self, request, context):
         try:
-            with self.slots.held():
+            with self.slots.held(request.handoff_reservation):
+                self.prefill_order.append(request.request_id.split("-busy")[0])
                 return await super().Prefill(request, context)
         except Busy as exc:
             self.num_refused += 1
@@ -314,51 +321,72 @@ class SlottedWorkers(HeldWorkers):
         return wpb.WorkerStats(num_handoffs=self.slots.num_held, max_handoffs=self.slots.limit)
 
 
-def test_a_hand_off_limit_holds_across_two_routers_and_nothing_fails():
+class OlderSlottedWorkers(SlottedWorkers):
+    """A worker from before ReserveHandoff: the routers read its slots from its stats."""
+
+    async def ReserveHandoff(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+@pytest.mark.parametrize("workers", [SlottedWorkers, OlderSlottedWorkers], ids=["reserving", "older-worker"])
+def test_a_hand_off_limit_holds_across_two_routers_and_nothing_fails(workers):
     """Two routers, each allowed 1 hand-off on the prefill worker, send 3 long prompts each: the worker
     never holds more than 1, the routers wait (none prefilled locally, none failed)."""
-    async def main():
-        security = GrpcSecurity()
-        servicer = SlottedWorkers(limit=1)
-        decode_server, decode_port = await _serve(servicer, security)
-        prefill_server, prefill_port = await _serve(servicer, security)
-        config = parse_config({
-            "model": {"name": "m", "path": "/m"},
-            "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": 1},
-            "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
-                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
-        routers = []
-        for _ in range(2):
-            metrics = RouterMetrics()
-            pool = WorkerPool(config.workers, config.router, metrics, security=security)
-            routers.append((pool, metrics, Dispatcher(pool, config.router, metrics,
-                                                      Placement(config, pool, metrics,
-                                                                threshold=FixedThreshold(THRESHOLD)))))
-        try:
-            for pool, _, _ in routers:
-                await pool.start()
-
-            async def one(dispatcher, index: int) -> str:
-                request = GenerateInput(f"r{index}", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
-                return "".join([delta.text async for delta in dispatcher.generate(request)])
-
-            answers = [asyncio.create_task(one(routers[i % 2][2], i)) for i in range(6)]
-            for _ in range(5):  # release the hand-offs one at a time, a few polls apart
-                await asyncio.sleep(0.35)
-                servicer.release.set()
-                await asyncio.sleep(0)
-                servicer.release.clear()
-            servicer.release.set()
-            return (await asyncio.wait_for(asyncio.gather(*answers), timeout=10), servicer.max_open_prefills,
-                    sum(m.prefill_fallbacks._value.get() for _, m, _ in routers))
-        finally:
-            for pool, _, _ in routers:
-                await pool.close()
-            await decode_server.stop(0)
-            await prefill_server.stop(0)
-    answers, max_open, fallbacks = asyncio.run(main())
+    answers, max_open, fallbacks, _ = asyncio.run(_two_routers(workers(limit=1), release_every_s=0.35))
     assert max_open == 1
     assert answers == ["remote"] * 6 and fallbacks == 0
+
+
+def test_hand_offs_from_two_routers_get_the_workers_slot_in_the_order_they_asked():
+    """One queue at the worker, first come first served whichever router a request came through: the
+    worker has 1 slot, each router allows itself 2 (as 2 routers of a 2-slot config would, and more), and
+    six requests alternate between the routers 30 ms apart: they prefill in the order they were sent."""
+    answers, max_open, fallbacks, order = asyncio.run(_two_routers(SlottedWorkers(limit=1), release_every_s=0.2,
+                                                                   router_limit=2))
+    assert answers == ["remote"] * 6 and fallbacks == 0 and max_open == 1
+    assert order == [f"r{i}" for i in range(6)]
+
+
+async def _two_routers(servicer: SlottedWorkers, release_every_s: float, router_limit: int = 1):
+    """Two routers (each allowed ``router_limit`` hand-offs) send six long prompts in turn, 30 ms apart; the worker's
+    hand-offs are released one at a time, ``release_every_s`` apart. (answers, the most prefills open
+    at once, the prefills the routers did locally, the order the worker started them in)."""
+    security = GrpcSecurity()
+    decode_server, decode_port = await _serve(servicer, security)
+    prefill_server, prefill_port = await _serve(servicer, security)
+    config = _config(decode_port, prefill_port, router_limit)
+    routers = []
+    for _ in range(2):
+        metrics = RouterMetrics()
+        pool = WorkerPool(config.workers, config.router, metrics, security=security)
+        routers.append((pool, metrics, Dispatcher(pool, config.router, metrics,
+                                                  Placement(config, pool, metrics,
+                                                            threshold=FixedThreshold(THRESHOLD)))))
+    try:
+        for pool, _, _ in routers:
+            await pool.start()
+
+        async def one(dispatcher, index: int) -> str:
+            request = GenerateInput(f"r{index}", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
+            return "".join([delta.text async for delta in dispatcher.generate(request)])
+
+        answers = []
+        for i in range(6):
+            answers.append(asyncio.create_task(one(routers[i % 2][2], i)))
+            await asyncio.sleep(0.03)
+        for _ in range(5):  # release the hand-offs one at a time
+            await asyncio.sleep(release_every_s)
+            servicer.release.set()
+            await asyncio.sleep(0)
+            servicer.release.clear()
+        servicer.release.set()
+        return (await asyncio.wait_for(asyncio.gather(*answers), timeout=10), servicer.max_open_prefills,
+                sum(m.prefill_fallbacks._value.get() for _, m, _ in routers), servicer.prefill_order)
+    finally:
+        for pool, _, _ in routers:
+            await pool.close()
+        await decode_server.stop(0)
+        await prefill_server.stop(0)
 
 
 class DrainingPrefill(HeldWorkers):
@@ -383,11 +411,7 @@ def test_a_hand_off_refused_by_a_draining_worker_is_prefilled_locally_without_sp
         servicer = DrainingPrefill()
         decode_server, decode_port = await _serve(servicer, security)
         prefill_server, prefill_port = await _serve(servicer, security)
-        config = parse_config({
-            "model": {"name": "m", "path": "/m"},
-            "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": 0},
-            "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
-                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+        config = _config(decode_port, prefill_port, 0)
         metrics = RouterMetrics()
         pool = WorkerPool(config.workers, config.router, metrics, security=security)
         for handle in pool.handles:
@@ -411,3 +435,12 @@ def test_a_hand_off_refused_by_a_draining_worker_is_prefilled_locally_without_sp
 
 async def _collect(deltas) -> str:
     return "".join([delta.text async for delta in deltas])
+
+
+def _config(decode_port: int, prefill_port: int, max_handoffs: int):
+    """A decode worker and a PrfaaS prefill worker, polled every 0.1 s."""
+    return parse_config({
+        "model": {"name": "m", "path": "/m"},
+        "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": max_handoffs},
+        "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
+                    {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})

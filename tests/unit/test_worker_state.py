@@ -59,6 +59,56 @@ def test_hand_off_slots_refuse_past_the_limit_and_free_on_exit():
         pass
 
 
+def test_reservations_are_served_first_come_first_served_and_a_prefill_cannot_overtake_them():
+    async def main():
+        slots = HandoffSlots(1)
+        first = await slots.reserve(0)
+        waiters = [asyncio.create_task(slots.reserve(5)) for _ in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(Busy, match="1 of 1"):  # a Prefill without a reservation
+            with slots.held():
+                pass
+        granted = []
+        with slots.held(first):
+            assert slots.num_held == 1 and slots.num_waiting == 3
+        for _ in range(3):  # each slot that frees goes to the next waiter, in order
+            await asyncio.sleep(0.01)
+            done = [i for i, w in enumerate(waiters) if w.done() and i not in granted]
+            assert len(done) == 1 and slots.num_held == 1
+            granted += done
+            with slots.held(waiters[done[0]].result()):
+                pass
+        return granted, slots.num_held, slots.peak_held
+    assert asyncio.run(main()) == ([0, 1, 2], 0, 1)
+
+
+def test_a_reservation_times_out_expires_and_leaves_the_queue_when_its_caller_goes():
+    async def main():
+        slots = HandoffSlots(1, ttl_s=0.1)
+        unclaimed = await slots.reserve(0)
+        with pytest.raises(Busy, match=r"waited 0\.05 s"):
+            await slots.reserve(0.05)
+        gone = asyncio.create_task(slots.reserve(5))
+        await asyncio.sleep(0)
+        gone.cancel()  # the router gave up: it leaves the queue
+        await asyncio.sleep(0.2)  # the unclaimed reservation expires; its slot is free again
+        assert slots.num_held == 0 and slots.num_waiting == 0
+        with slots.held(unclaimed):  # expired: a free slot is taken instead
+            assert slots.num_held == 1
+        reservation = await slots.reserve(0)
+        slots.cancel(reservation)  # its Prefill was refused before it started
+        assert slots.num_held == 0
+        held = await slots.reserve(0)
+        draining = asyncio.create_task(slots.reserve(5))
+        await asyncio.sleep(0)
+        slots.refuse_waiters("the worker is draining for a role flip")
+        with pytest.raises(Busy, match="draining"):
+            await draining
+        slots.cancel(held)
+        return slots.num_held, await HandoffSlots(0).reserve(0)
+    assert asyncio.run(main()) == (0, "")
+
+
 def test_set_role_over_grpc_needs_the_token_and_names_both_generations():
     async def main():
         security = GrpcSecurity(token=TOKEN, accepted_tokens=(TOKEN,))

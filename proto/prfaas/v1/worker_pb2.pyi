@@ -110,18 +110,34 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "kv_target", "transfer_id", "kv_target_tp_size")
+    __slots__ = ("request_id", "prompt_token_ids", "kv_target", "transfer_id", "kv_target_tp_size", "handoff_reservation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_RESERVATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_target: str
     transfer_id: str
     kv_target_tp_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_target: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kv_target_tp_size: _Optional[int] = ...) -> None: ...
+    handoff_reservation: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_target: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kv_target_tp_size: _Optional[int] = ..., handoff_reservation: _Optional[str] = ...) -> None: ...
+
+class ReserveHandoffRequest(_message.Message):
+    __slots__ = ("request_id", "wait_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class HandoffReservation(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_cached_tokens", "prefill_seconds")

@@ -258,6 +258,11 @@ class PrefillWorkerStub:
                 request_serializer=prfaas_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=prfaas_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.ReserveHandoff = channel.unary_unary(
+                '/prfaas.v1.PrefillWorker/ReserveHandoff',
+                request_serializer=prfaas_dot_v1_dot_worker__pb2.ReserveHandoffRequest.SerializeToString,
+                response_deserializer=prfaas_dot_v1_dot_worker__pb2.HandoffReservation.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/prfaas.v1.PrefillWorker/GetStats',
                 request_serializer=prfaas_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -276,6 +281,16 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """Prefills one prompt. Returns when the prefill is complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveHandoff(self, request, context):
+        """Holds one of the worker's hand-off slots (WorkerStats.max_handoffs) for the Prefill that names the
+        reservation, which must come within a few seconds (else the slot goes back). Callers that find
+        every slot held wait in one queue, first come first served, whichever router they come from; up to
+        `wait_s`, then RESOURCE_EXHAUSTED, as at once while the worker drains (wait, or go elsewhere).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -301,6 +316,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=prfaas_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=prfaas_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReserveHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveHandoff,
+                    request_deserializer=prfaas_dot_v1_dot_worker__pb2.ReserveHandoffRequest.FromString,
+                    response_serializer=prfaas_dot_v1_dot_worker__pb2.HandoffReservation.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -341,6 +361,33 @@ class PrefillWorker:
             '/prfaas.v1.PrefillWorker/Prefill',
             prfaas_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             prfaas_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prfaas.v1.PrefillWorker/ReserveHandoff',
+            prfaas_dot_v1_dot_worker__pb2.ReserveHandoffRequest.SerializeToString,
+            prfaas_dot_v1_dot_worker__pb2.HandoffReservation.FromString,
             options,
             channel_credentials,
             insecure,

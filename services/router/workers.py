@@ -430,22 +430,33 @@ class WorkerPool:
         handle.num_handoffs_waiting += 1
         gauge.set(handle.num_handoffs_waiting)
         try:
-            while handle.handoffs is not None:
-                try:
-                    async with asyncio.timeout(self._config.stats_interval_s):
-                        await handle.handoffs.acquire()
-                    lease._handoff = handle.handoffs
-                    break
-                except TimeoutError:
-                    if not self.is_usable(handle):
-                        logger.warning("request %s: prefill worker %s stopped answering while the request waited "
-                                       "for it; prefilling locally instead", request_id, handle.name)
-                        raise PrefillFailed() from None
+            if handle.handoffs is not None:
+                await self._own_slot(lease, handle.handoffs, request_id)
             await lease.acquire_stream()
             await self._hold_worker_slot(lease, request_id)
         finally:
             handle.num_handoffs_waiting -= 1
             gauge.set(handle.num_handoffs_waiting)
+
+    async def _own_slot(self, lease: Lease, slots: asyncio.Semaphore, request_id: str) -> None:
+        """One of this router's slots for the worker, first come first served: the one wait stays in the
+        semaphore's queue while the worker's health is checked every stats interval (a wait cancelled
+        and begun again would go to the back of the queue)."""
+        handle = lease.handle
+        acquire = asyncio.ensure_future(slots.acquire())
+        try:
+            while not (await asyncio.wait({acquire}, timeout=self._config.stats_interval_s))[0]:
+                if not self.is_usable(handle):
+                    logger.warning("request %s: prefill worker %s stopped answering while the request waited for "
+                                   "it; prefilling locally instead", request_id, handle.name)
+                    raise PrefillFailed()
+            acquire.result()
+            lease._handoff = slots
+        finally:
+            if not acquire.done():
+                acquire.cancel()
+            elif lease._handoff is None and not acquire.cancelled() and acquire.exception() is None:
+                slots.release()  # taken just as this wait was given up
 
     async def _hold_worker_slot(self, lease: Lease, request_id: str) -> None:
         """The worker's own slot (its stats say it has a limit): reserved in the worker's queue, which

@@ -332,7 +332,7 @@ class OlderSlottedWorkers(SlottedWorkers):
 def test_a_hand_off_limit_holds_across_two_routers_and_nothing_fails(workers):
     """Two routers, each allowed 1 hand-off on the prefill worker, send 3 long prompts each: the worker
     never holds more than 1, the routers wait (none prefilled locally, none failed)."""
-    answers, max_open, fallbacks, _ = asyncio.run(_two_routers(workers(limit=1), release_every_s=0.35))
+    answers, max_open, fallbacks, _ = asyncio.run(_routers(workers(limit=1), release_every_s=0.35))
     assert max_open == 1
     assert answers == ["remote"] * 6 and fallbacks == 0
 
@@ -341,22 +341,32 @@ def test_hand_offs_from_two_routers_get_the_workers_slot_in_the_order_they_asked
     """One queue at the worker, first come first served whichever router a request came through: the
     worker has 1 slot, each router allows itself 2 (as 2 routers of a 2-slot config would, and more), and
     six requests alternate between the routers 30 ms apart: they prefill in the order they were sent."""
-    answers, max_open, fallbacks, order = asyncio.run(_two_routers(SlottedWorkers(limit=1), release_every_s=0.2,
+    answers, max_open, fallbacks, order = asyncio.run(_routers(SlottedWorkers(limit=1), release_every_s=0.2,
                                                                    router_limit=2))
     assert answers == ["remote"] * 6 and fallbacks == 0 and max_open == 1
     assert order == [f"r{i}" for i in range(6)]
 
 
-async def _two_routers(servicer: SlottedWorkers, release_every_s: float, router_limit: int = 1):
-    """Two routers (each allowed ``router_limit`` hand-offs) send six long prompts in turn, 30 ms apart; the worker's
-    hand-offs are released one at a time, ``release_every_s`` apart. (answers, the most prefills open
-    at once, the prefills the routers did locally, the order the worker started them in)."""
+def test_hand_offs_waiting_at_one_router_longer_than_a_stats_interval_keep_their_order():
+    """The router's own slots are first come first served too, however long the wait (here 3.5 stats
+    intervals per slot: a wait cancelled at each health check and begun again went to the back)."""
+    answers, max_open, fallbacks, order = asyncio.run(_routers(SlottedWorkers(limit=0), release_every_s=0.35,
+                                                                   num_routers=1))
+    assert answers == ["remote"] * 6 and fallbacks == 0 and max_open == 1
+    assert order == [f"r{i}" for i in range(6)]
+
+
+async def _routers(servicer: SlottedWorkers, release_every_s: float, router_limit: int = 1,
+                       num_routers: int = 2):
+    """``num_routers`` routers (each allowed ``router_limit`` hand-offs) send six long prompts in turn, 30 ms
+    apart; the worker's hand-offs are released one at a time, ``release_every_s`` apart. (answers, the most
+    prefills open at once, the prefills the routers did locally, the order the worker started them in)."""
     security = GrpcSecurity()
     decode_server, decode_port = await _serve(servicer, security)
     prefill_server, prefill_port = await _serve(servicer, security)
     config = _config(decode_port, prefill_port, router_limit)
     routers = []
-    for _ in range(2):
+    for _ in range(num_routers):
         metrics = RouterMetrics()
         pool = WorkerPool(config.workers, config.router, metrics, security=security)
         routers.append((pool, metrics, Dispatcher(pool, config.router, metrics,
@@ -372,7 +382,7 @@ async def _two_routers(servicer: SlottedWorkers, release_every_s: float, router_
 
         answers = []
         for i in range(6):
-            answers.append(asyncio.create_task(one(routers[i % 2][2], i)))
+            answers.append(asyncio.create_task(one(routers[i % num_routers][2], i)))
             await asyncio.sleep(0.03)
         for _ in range(5):  # release the hand-offs one at a time
             await asyncio.sleep(release_every_s)

@@ -2,7 +2,10 @@
 round-robin), on the same workers, in one run (`prfaas up --routers 3`).
 
 Workers: one PD-P and two PD-D SmolLM2 engines (every request takes the PD path); role flips on
-with short dwell times, so the decider (router 0) flips workers while both kinds of block run.
+with short dwell times, so the decider (router 0) flips workers while both kinds of block run. The
+PD-P engine has core 0 to itself and the two PD-D engines share core 1, so the two are alike: which
+one a flip takes, or a request decodes on, changes nothing but the engine (on two cores, a PD-D
+engine beside the PD-P one made each flip and each decode choice a coin toss of 2x in speed).
 
 The workload comes in blocks, each sent through 1 router or through all 3, in the order 1, 3, 3, 1
 (twice by default), after one block through all 3 that is not counted (the engines' first requests
@@ -12,7 +15,9 @@ comes second. Every block has the
 same shape and timing with prompt families of its own (no block finds another's prefixes cached):
 a burst of long prompts (the PD-P worker's queue grows while decode idles: prefill binds, a PD-D
 worker is flipped to prefill), then short prompts with longer answers at a steady rate (decode binds,
-a PD-P worker is flipped back). Each prompt is its family's 256-token prefix plus a suffix of its own.
+a PD-P worker is flipped back), long enough that most of a block's requests come after the burst's
+queue has drained: the median falls among them, not on the edge between the two. Each prompt is
+its family's 256-token prefix plus a suffix of its own.
 Before each block the bench sets the configured roles again (SetRole, as an operator would): which
 engine holds which role matters on this host (three engines on two cores) and flips leave it to
 chance. A sampler reads every worker's stats and every router's /metrics every 0.25 s; a role change
@@ -58,13 +63,13 @@ MODEL = "smollm2-135m-instruct"
 ROUTERS = 3
 STATS_INTERVAL_S = 0.5
 MAX_HANDOFFS = 2
-FAMILIES, PREFIX, SHORT, LONG = 4, 256, 32, 384
+FAMILIES, PREFIX, SHORT, LONG = 4, 256, 96, 384
 # a block: a burst of long prompts, then short prompts with longer answers at a steady rate
 BURST, BURST_RATE, BURST_OUTPUT = 4, 2.0, 16
-STEADY, STEADY_RATE, STEADY_OUTPUT = 16, 1.0, 24
-ORDER, QUICK_ORDER = (1, 3, 3, 1, 1, 3, 3, 1), (1, 3)
+STEADY, STEADY_RATE, STEADY_OUTPUT = 24, 1.0, 24
+ORDER, QUICK_ORDER = (1, 3, 3, 1) * 2, (1, 3)
 CACHED_TARGET, TTFT_TOLERANCE = 0.95, 0.10
-PD = (("pd-p", "prefill", "0"), ("pd-d1", "decode", "1"), ("pd-d2", "decode", "0"))
+PD = (("pd-p", "prefill", "0"), ("pd-d1", "decode", "1"), ("pd-d2", "decode", "1"))
 FLIPS = {"enabled": True, "sustain_s": 0, "min_dwell_s": 5, "max_drain_s": 10, "prefill_queue_low": 0.5,
          "prefill_queue_high": 1, "decode_utilization_high": 0.25, "decode_utilization_low": 0.15,
          "min_workers_per_role": 1}

@@ -75,7 +75,7 @@ class RoleControl:
         utilization = max(stats.num_running_requests / max(self._max_num_seqs[handle.name], 1), stats.kv_cache_usage)
         return PdWorkerLoad(handle.name, handle.role, num_in_flight=running,
                             num_prefill_queued=stats.num_waiting_requests, decode_utilization=utilization,
-                            flippable=handle.flippable and handle.usable(now_s))
+                            flippable=handle.flippable and handle.usable(now_s), home_role=handle.config.role)
 
     async def _clear_stray_drains(self) -> None:
         """A worker left draining by a decider that stopped (or lost its lease) mid-flip serves again."""

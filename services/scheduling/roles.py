@@ -11,9 +11,11 @@ utilization:
   per PD-P worker).
 
 When one stage has bound for ``sustain_s`` and no flip happened in the last ``min_dwell_s``, a worker
-of the other role (the least busy flippable one, never the last ``min_workers_per_role``) is put to
-**drain**: the router stops giving it new work in its old role. Once its in-flight work is done the
-flip completes; a drain that takes longer than ``max_drain_s`` is cancelled and the worker keeps its
+of the other role is put to **drain**: a flippable one, never the last ``min_workers_per_role``; one
+whose configured (home) role is the binding stage first, so a worker lent to the other stage is the
+first to go back and the configured layout is where flips return to; then the least busy. Draining,
+the router stops giving it new work in its old role. Once its in-flight work is done the flip
+completes; a drain that takes longer than ``max_drain_s`` is cancelled and the worker keeps its
 role. Pure: no I/O; the caller supplies the clock in the snapshot.
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PdWorkerLoad:
     num_prefill_queued: int = 0
     decode_utilization: float = 0.0
     flippable: bool = True
+    home_role: str | None = None  # the role the deployment configures it with; None: no preference
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +114,14 @@ class RoleBalancer:
         self.draining = None
 
     def _donor(self, snapshot: StageSnapshot, binding: Role) -> PdWorkerLoad | None:
-        """A worker of the role that does not bind, if that role can spare one."""
+        """A worker of the role that does not bind, if that role can spare one: one lent away from the
+        binding stage first (it goes home), then the least busy."""
         others = [w for w in snapshot.workers if w.role != binding]
         candidates = [w for w in others if w.flippable]
         if len(others) <= self.config.min_workers_per_role or not candidates:
             return None
-        return min(candidates, key=lambda w: (w.num_in_flight, w.num_prefill_queued, w.decode_utilization, w.name))
+        return min(candidates, key=lambda w: (w.home_role != binding, w.num_in_flight, w.num_prefill_queued,
+                                              w.decode_utilization, w.name))
 
     def _continue_drain(self, snapshot: StageSnapshot) -> RoleAction | None:
         drain = self.draining

@@ -83,3 +83,16 @@ def test_a_worker_gone_from_the_snapshot_cancels_its_drain():
     balancer = RoleBalancer(CONFIG)
     run(balancer, [(0, PREFILL_BOUND), (10, PREFILL_BOUND)])
     assert run(balancer, [(11, (p("p1", queued=8), d("d2", 0.3)))]) == [(11, RoleAction("cancel", "d1", "prefill"))]
+
+
+def test_a_worker_lent_to_the_other_stage_goes_home_first():
+    """Decode binds with two PD-P workers: the one configured as decode (lent to prefill) flips back,
+    even when the configured PD-P worker is the less busy one; with no home role the least busy goes."""
+    lent = PdWorkerLoad("d1", "prefill", num_in_flight=2, home_role="decode")
+    home = PdWorkerLoad("p1", "prefill", num_in_flight=0, home_role="prefill")
+    busy = d("d2", 0.9)
+    assert run(RoleBalancer(CONFIG), [(0, (home, lent, busy)), (10, (home, lent, busy))]) == [
+        (10, RoleAction("drain", "d1", "decode"))]
+    assert run(RoleBalancer(CONFIG), [(0, (p("p1"), p("d1", in_flight=2), busy)),
+                                      (10, (p("p1"), p("d1", in_flight=2), busy))]) == [
+        (10, RoleAction("drain", "p1", "decode"))]

@@ -184,9 +184,11 @@ class RoleFlipsConfig:
     sustain_s: float = _opt(60.0, "How long one stage must bind before a flip starts.")
     max_drain_s: float = _opt(120.0, "A drain that has not finished after this long is cancelled (the worker "
                               "keeps its role).")
-    prefill_queue_high: float = _opt(4.0, "Waiting requests per PD-P worker at or above which prefill binds "
-                                     "(when decode utilization is low).")
-    prefill_queue_low: float = _opt(1.0, "Waiting requests per PD-P worker at or below which prefill keeps up.")
+    prefill_queue_high: float = _opt(4.0, "Waiting requests per PD-P worker (in its engine, in its hand-off queue "
+                                     "from every router, and at the deciding router for a hand-off slot) at or above "
+                                     "which prefill binds (when decode utilization is low).")
+    prefill_queue_low: float = _opt(1.0, "Waiting requests per PD-P worker (counted as for prefill_queue_high) at "
+                                    "or below which prefill keeps up.")
     decode_utilization_high: float = _opt(
         0.85, "Mean PD-D utilization (max of running / `max_num_seqs` and KV usage) at or above which decode "
         "binds (when prefill keeps up).")

@@ -165,6 +165,7 @@ def stats_message(engine: Engine, identity: WorkerIdentity, guard: CallerGuard) 
         num_handoffs=guard.handoffs.num_held,
         max_handoffs=guard.handoffs.limit,
         peak_handoffs=guard.handoffs.peak_held,
+        num_handoffs_queued=guard.handoffs.num_waiting,
         model=identity.model,
         max_model_len=engine.max_model_len if engine.started else 0,
         grpc_rejected=guard.rejections.snapshot(),

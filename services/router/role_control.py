@@ -73,8 +73,10 @@ class RoleControl:
         stats = handle.stats
         running = max(handle.num_in_flight, stats.num_active_requests, stats.num_running_requests)
         utilization = max(stats.num_running_requests / max(self._max_num_seqs[handle.name], 1), stats.kv_cache_usage)
+        # the prefill queue: in the engine, in the worker's hand-off queue (every router's), and at this router
+        queued = stats.num_waiting_requests + stats.num_handoffs_queued + handle.num_handoffs_at_router
         return PdWorkerLoad(handle.name, handle.role, num_in_flight=running,
-                            num_prefill_queued=stats.num_waiting_requests, decode_utilization=utilization,
+                            num_prefill_queued=queued, decode_utilization=utilization,
                             flippable=handle.flippable and handle.usable(now_s), home_role=handle.config.role)
 
     async def _clear_stray_drains(self) -> None:

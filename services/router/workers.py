@@ -120,6 +120,9 @@ class WorkerHandle:
     # Requests waiting here for one of those slots: the PrfaaS queue the worker's stats cannot show
     # (the threshold controller adds them to its queue; exported as prfaas_router_handoffs_waiting).
     num_handoffs_waiting: int = 0
+    # Of those, the ones waiting for one of this router's own slots (the rest wait in the worker's queue,
+    # which its stats count: ``num_handoffs_queued``).
+    num_handoffs_at_router: int = 0
     # Hand-offs this router started on the worker since its last stats answer, which counts them from
     # then on (``stats.num_handoffs``): the router's estimate of the worker's slots between polls.
     num_handoffs_since_poll: int = 0
@@ -444,15 +447,21 @@ class WorkerPool:
         and begun again would go to the back of the queue)."""
         handle = lease.handle
         acquire = asyncio.ensure_future(slots.acquire())
+        handle.num_handoffs_at_router += 1
         try:
             while not (await asyncio.wait({acquire}, timeout=self._config.stats_interval_s))[0]:
                 if not self.is_usable(handle):
                     logger.warning("request %s: prefill worker %s stopped answering while the request waited for "
                                    "it; prefilling locally instead", request_id, handle.name)
                     raise PrefillFailed()
+                if handle.draining:
+                    logger.info("request %s: prefill worker %s drains for a role flip; prefilling locally instead",
+                                request_id, handle.name)
+                    raise PrefillFailed()
             acquire.result()
             lease._handoff = slots
         finally:
+            handle.num_handoffs_at_router -= 1
             if not acquire.done():
                 acquire.cancel()
             elif lease._handoff is None and not acquire.cancelled() and acquire.exception() is None:

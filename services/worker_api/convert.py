@@ -172,7 +172,7 @@ def stats_from_proto(msg: pb.WorkerStats) -> WorkerStats:
         layout_spec=msg.layout_spec, kv_protocol_version=msg.kv_protocol_version,
         kv_transfers_receiving=msg.kv_transfers_receiving, kv_transfers_sending=msg.kv_transfers_sending,
         draining=msg.draining, role_generation=msg.role_generation, num_handoffs=msg.num_handoffs,
-        max_handoffs=msg.max_handoffs, peak_handoffs=msg.peak_handoffs)
+        max_handoffs=msg.max_handoffs, peak_handoffs=msg.peak_handoffs, num_handoffs_queued=msg.num_handoffs_queued)
 
 
 def set_role_request(expected_generation: int, role: str, draining: bool) -> pb.SetRoleRequest:

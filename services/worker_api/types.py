@@ -153,6 +153,7 @@ class WorkerStats:
     num_handoffs: int = 0  # hand-offs open at the worker now, of at most max_handoffs (0: no limit)
     max_handoffs: int = 0
     peak_handoffs: int = 0  # the most held at once since the worker started
+    num_handoffs_queued: int = 0  # ReserveHandoff calls waiting for a slot, every router's
 
 
 @dataclass(frozen=True, slots=True)

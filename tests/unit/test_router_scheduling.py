@@ -18,6 +18,7 @@ from services.router.role_control import RoleControl
 from services.router.workers import RoleConflict, WorkerPool
 from services.scheduling.backoff import BackoffConfig
 from services.scheduling.congestion import FixedThreshold
+from services.scheduling.roles import binding_stage
 from services.scheduling.offload import CacheTransfer
 from support.worker_roles import WorkerRoles
 
@@ -178,6 +179,26 @@ def test_role_control_drains_then_flips_a_decode_worker_to_prefill():
     assert draining == (True, True) and routes == {"pd-d2"}
     assert role == "prefill" and (at_worker.role, at_worker.draining, at_worker.generation) == ("prefill", False, 3)
     assert route.path == "pd" and route.decode == "pd-d2" and route.prefill in ("pd-p", "pd-d1")
+
+
+def test_the_prefill_queue_counts_the_engine_the_workers_hand_off_queue_and_this_routers_waiters():
+    """A PD-P worker's prefill queue is not only its engine's: with its hand-off slots full, requests wait in
+    the worker's queue (every router's) and at this router for one of its own slots; each part alone makes
+    prefill bind (prefill_queue_high 4 by default)."""
+    async def body(config, pool, metrics, clock):
+        control = RoleControl(config, pool, metrics, clock=clock)
+        handle = pool.handle("pd-p")
+        queued = []
+        for stats, at_router in ((WorkerStats(num_waiting_requests=1), 0),
+                                 (WorkerStats(num_waiting_requests=1, num_handoffs_queued=3), 0),
+                                 (WorkerStats(num_waiting_requests=1), 3),
+                                 (WorkerStats(num_waiting_requests=1, num_handoffs_queued=2), 2)):
+            handle.stats, handle.num_handoffs_at_router = stats, at_router
+            load = next(w for w in control.snapshot().workers if w.name == "pd-p")
+            queued.append((load.num_prefill_queued, binding_stage(control.snapshot(), control.balancer.config)))
+        return queued
+    assert run_with_pool({"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True) == [
+        (1, None), (4, "prefill"), (4, "prefill"), (5, "prefill")]
 
 
 def test_role_flip_metrics():

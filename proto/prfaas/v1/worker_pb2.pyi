@@ -190,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused", "kv_pool_tokens_loaded", "kv_pool_tokens_stored", "kv_pool_loads_failed", "kv_pool_stores_failed", "grpc_rejected", "layout_spec", "kv_protocol_version", "kv_transfers_receiving", "kv_transfers_sending", "draining", "role_generation", "num_handoffs", "max_handoffs", "peak_handoffs")
+    __slots__ = ("worker_name", "service", "role", "model", "max_model_len", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_finished_requests", "num_active_requests", "kv_links", "kv_bytes_received", "kv_frames_rejected", "kv_connections_refused", "kv_pool_tokens_loaded", "kv_pool_tokens_stored", "kv_pool_loads_failed", "kv_pool_stores_failed", "grpc_rejected", "layout_spec", "kv_protocol_version", "kv_transfers_receiving", "kv_transfers_sending", "draining", "role_generation", "num_handoffs", "max_handoffs", "peak_handoffs", "num_handoffs_queued")
     class GrpcRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class WorkerStats(_message.Message):
     NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     MAX_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PEAK_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     service: str
     role: str
@@ -254,7 +255,8 @@ class WorkerStats(_message.Message):
     num_handoffs: int
     max_handoffs: int
     peak_handoffs: int
-    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ..., grpc_rejected: _Optional[_Mapping[str, int]] = ..., layout_spec: _Optional[bytes] = ..., kv_protocol_version: _Optional[int] = ..., kv_transfers_receiving: _Optional[int] = ..., kv_transfers_sending: _Optional[int] = ..., draining: _Optional[bool] = ..., role_generation: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., max_handoffs: _Optional[int] = ..., peak_handoffs: _Optional[int] = ...) -> None: ...
+    num_handoffs_queued: int
+    def __init__(self, worker_name: _Optional[str] = ..., service: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_finished_requests: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., kv_links: _Optional[_Iterable[_Union[KvLinkStats, _Mapping]]] = ..., kv_bytes_received: _Optional[int] = ..., kv_frames_rejected: _Optional[int] = ..., kv_connections_refused: _Optional[int] = ..., kv_pool_tokens_loaded: _Optional[int] = ..., kv_pool_tokens_stored: _Optional[int] = ..., kv_pool_loads_failed: _Optional[int] = ..., kv_pool_stores_failed: _Optional[int] = ..., grpc_rejected: _Optional[_Mapping[str, int]] = ..., layout_spec: _Optional[bytes] = ..., kv_protocol_version: _Optional[int] = ..., kv_transfers_receiving: _Optional[int] = ..., kv_transfers_sending: _Optional[int] = ..., draining: _Optional[bool] = ..., role_generation: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., max_handoffs: _Optional[int] = ..., peak_handoffs: _Optional[int] = ..., num_handoffs_queued: _Optional[int] = ...) -> None: ...
 
 class KvLinkStats(_message.Message):
     __slots__ = ("peer", "connections", "bytes_sent", "transfers_sent", "transfers_failed", "goodput_bps", "retransmits", "rtt_ms", "cwnd_segments", "delivery_rate_bps", "send_cpu_seconds")

@@ -11,13 +11,16 @@ The workload comes in blocks, each sent through 1 router or through all 3, in th
 (twice by default), after one block through all 3 that is not counted (the engines' first requests
 are slow, and the first counted block would pay for them): whatever drifts over the run (the host's
 other work, warm caches, a flip's aftermath) falls on both sides alike instead of on whichever phase
-comes second. Every block has the
-same shape and timing with prompt families of its own (no block finds another's prefixes cached):
-a burst of long prompts (the PD-P worker's queue grows while decode idles: prefill binds, a PD-D
-worker is flipped to prefill), then short prompts with longer answers at a steady rate (decode binds,
-a PD-P worker is flipped back), long enough that most of a block's requests come after the burst's
-queue has drained: the median falls among them, not on the edge between the two. Each prompt is
-its family's 256-token prefix plus a suffix of its own.
+comes second. Every block has the same shape and timing with prompt families of its own (no block
+finds another's prefixes cached): a burst of long prompts (the PD-P worker's queue grows while
+decode idles: prefill binds, a PD-D worker is flipped to prefill), then short prompts with longer
+answers at a steady rate (decode binds, the lent worker is flipped back), long enough that most of a
+block's requests come after the burst's queue has drained: the median falls among them, not on the
+edge between the two. The answers (48 tokens) keep two requests running on the one PD-D worker the
+burst leaves, so decode binds and the flip back comes in every block, a few seconds after the lend:
+with 24-token answers it came in some blocks and not in others, and a block without it ran its
+steady part on one decode engine instead of two sharing a core, about a third faster, whatever the
+router count. Each prompt is its family's 256-token prefix plus a suffix of its own.
 Before each block the bench sets the configured roles again (SetRole, as an operator would): which
 engine holds which role matters on this host (three engines on two cores) and flips leave it to
 chance. A sampler reads every worker's stats and every router's /metrics every 0.25 s; a role change
@@ -66,7 +69,7 @@ MAX_HANDOFFS = 2
 FAMILIES, PREFIX, SHORT, LONG = 4, 256, 96, 384
 # a block: a burst of long prompts, then short prompts with longer answers at a steady rate
 BURST, BURST_RATE, BURST_OUTPUT = 4, 2.0, 16
-STEADY, STEADY_RATE, STEADY_OUTPUT = 24, 1.0, 24
+STEADY, STEADY_RATE, STEADY_OUTPUT = 24, 1.0, 48
 ORDER, QUICK_ORDER = (1, 3, 3, 1) * 2, (1, 3)
 CACHED_TARGET, TTFT_TOLERANCE = 0.95, 0.10
 PD = (("pd-p", "prefill", "0"), ("pd-d1", "decode", "1"), ("pd-d2", "decode", "1"))

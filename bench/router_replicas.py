@@ -136,19 +136,24 @@ class Sampler(threading.Thread):
         self.flips: list[tuple[float, str, str, int]] = []  # (when first seen, worker, new role, routers then)
 
     def run(self) -> None:
+        """Each sample reads the workers, then the routers' views, then the workers again: a flip between
+        the first read and a view (the deciding router shows its own flip at once) changes a generation
+        between the two reads, and the sample counts as taken at that flip instead of as a disagreement."""
         generations: dict[str, int] = {}
+        roles: dict[str, str] = {}
         last_flip: dict[str, float] = {}
         while not self.stop.wait(0.25):
             at = time.monotonic()
+            before = {name: self.deployment.worker_stats(name).role_generation for name, _, _ in PD}
+            views = [self._roles(url) for url in self.deployment.base_urls]
             workers = {name: self.deployment.worker_stats(name) for name, _, _ in PD}
             for name, stats in workers.items():
-                if generations.get(name, stats.role_generation) != stats.role_generation:
+                if generations.get(name, before[name]) != stats.role_generation:
                     last_flip[name] = at
-                    if stats.role != self.samples[-1]["roles"][name]:
+                    if stats.role != roles.get(name, stats.role):
                         self.flips.append((at, name, stats.role, self.routers))
-                generations[name] = stats.role_generation
-            views = [self._roles(url) for url in self.deployment.base_urls]
-            self.samples.append({"at": at, "routers": self.routers, "roles": {n: s.role for n, s in workers.items()},
+                generations[name], roles[name] = stats.role_generation, stats.role
+            self.samples.append({"at": at, "routers": self.routers, "roles": dict(roles),
                                  "waiting": {n: s.num_waiting_requests for n, s in workers.items()},
                                  "running": {n: s.num_running_requests for n, s in workers.items()},
                                  "views": views, "last_flip": dict(last_flip)})
@@ -226,7 +231,7 @@ def main() -> int:
         deployment.stop()
     (out / "router_replicas.json").write_text(json.dumps(
         {"requests": [asdict(s) for s in sent], "flips": sampler.flips, "peaks": peaks,
-         "samples": [{k: v for k, v in s.items() if k != "views"} for s in sampler.samples]}))
+         "samples": sampler.samples}))
     return report(sent, peaks, sampler, gate_ttft=not args.quick)
 
 

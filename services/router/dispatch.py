@@ -206,13 +206,36 @@ class Dispatcher:
             call.cancel()
             raise
 
+    async def _leave_a_draining_decode_worker(self, request_id: str, route: Route, prefill: Lease,
+                                              decode: Lease) -> None:
+        """A request holds its decode worker from the moment it is routed. If that worker began to drain
+        for a role flip (or was flipped to prefill) while the request waited for its hand-off slot, the
+        request decodes on another one and keeps the slot: the drain does not wait for it, and the worker
+        does not refuse it once the request finally reaches it (every router's requests alike; the
+        deciding router's drain would otherwise wait for its own such requests only)."""
+        handle = decode.handle
+        if not (handle.draining or handle.role == "prefill"):
+            return
+        other = self._pool.replacement_decode(prefill.handle, handle, route.path)
+        if other is None:
+            return
+        logger.info("request %s: decode worker %s drains for a role flip; it decodes on %s instead", request_id,
+                    handle.name, other.name)
+        await decode.move_to(other)
+
     async def _start_with_handoff(self, request: GenerateInput, route: Route,
                                   decode: Lease) -> tuple[GenerateCall, TokenDelta]:
         """The decode worker waits for KV that the prefill worker streams to it."""
         # a hand-off waiting for its turn is the prefill worker's load already
         prefill = self._pool.lease(route.prefill)
         try:
-            await self._pool.acquire_handoff(prefill, request.request_id)  # and one of its streams
+            waiting = decode.handle
+            waiting.num_decodes_awaiting_handoff += 1
+            try:
+                await self._pool.acquire_handoff(prefill, request.request_id)  # and one of its streams
+            finally:
+                waiting.num_decodes_awaiting_handoff -= 1
+            await self._leave_a_draining_decode_worker(request.request_id, route, prefill, decode)
             self._metrics.routed.labels(route.path).inc()
             consumer = dataclasses.replace(request, kv_transfer=consume(request.request_id))
             call = self._pool.generate(decode, consumer)

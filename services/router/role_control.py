@@ -71,7 +71,10 @@ class RoleControl:
 
     def _load(self, handle: WorkerHandle, now_s: float) -> PdWorkerLoad:
         stats = handle.stats
-        running = max(handle.num_in_flight, stats.num_active_requests, stats.num_running_requests)
+        # this router's requests at the worker (not those waiting for a hand-off slot to decode here: they
+        # move elsewhere if it drains), or every router's as it last reported
+        running = max(handle.num_in_flight - handle.num_decodes_awaiting_handoff, stats.num_active_requests,
+                      stats.num_running_requests)
         utilization = max(stats.num_running_requests / max(self._max_num_seqs[handle.name], 1), stats.kv_cache_usage)
         # the prefill queue: in the engine, in the worker's hand-off queue (every router's), and at this router
         queued = stats.num_waiting_requests + stats.num_handoffs_queued + handle.num_handoffs_at_router

@@ -123,6 +123,10 @@ class WorkerHandle:
     # Of those, the ones waiting for one of this router's own slots (the rest wait in the worker's queue,
     # which its stats count: ``num_handoffs_queued``).
     num_handoffs_at_router: int = 0
+    # Requests routed to decode here that still wait for their prefill worker's hand-off slot: counted in
+    # ``num_in_flight``, but none has reached the worker, and each moves to another decode worker when it
+    # gets its slot if this one drains meanwhile, so a drain does not wait for them.
+    num_decodes_awaiting_handoff: int = 0
     # Hand-offs this router started on the worker since its last stats answer, which counts them from
     # then on (``stats.num_handoffs``): the router's estimate of the worker's slots between polls.
     num_handoffs_since_poll: int = 0
@@ -206,6 +210,22 @@ class Lease:
         """Waits for a stream below the worker's limit (see ``WorkerHandle.streams``)."""
         await self.handle.streams.acquire()
         self._stream = True
+
+    async def move_to(self, handle: WorkerHandle) -> None:
+        """Counts on ``handle`` from now on, with one of its streams if this lease held one; only before
+        any call was made under it (a request whose decode worker began to drain while it waited for a
+        hand-off slot decodes elsewhere)."""
+        stream, self._stream = self._stream, False
+        if stream:
+            self.handle.streams.release()
+        self.handle.num_in_flight -= 1
+        self.handle.num_committed_tokens -= self._num_committed_tokens
+        self.handle = handle
+        handle.num_in_flight += 1
+        handle.num_started_since_poll += 1
+        handle.num_committed_tokens += self._num_committed_tokens
+        if stream:
+            await self.acquire_stream()
 
     def release_handoff(self) -> None:
         """The hand-off slot goes back once, by whichever comes first: the decode worker's first
@@ -409,6 +429,18 @@ class WorkerPool:
 
     def handle(self, name: str) -> WorkerHandle:
         return self._handles[name]
+
+    def replacement_decode(self, prefill: WorkerHandle, current: WorkerHandle, path: str) -> WorkerHandle | None:
+        """The decode worker for a hand-off whose chosen one (``current``) began to drain, or was flipped
+        to prefill, while the request waited for ``prefill``'s slot: the least loaded other one of its
+        cluster that takes KV ``prefill`` can feed (a PD-D worker on the ``pd`` path); None if none."""
+        views = self.views()
+        refused = next(v.cannot_feed for v in views if v.name == prefill.name)
+        candidates = tuple(v for v in views if v.receives_kv and v.cluster == current.config.cluster
+                           and v.name != current.name and v.name not in refused
+                           and (path != "pd" or v.role == "decode"))
+        name = pick_least_loaded(candidates, kv_high_watermark=self.kv_high_watermark)
+        return None if name is None else self._handles[name]
 
     @property
     def config(self) -> RouterConfig:

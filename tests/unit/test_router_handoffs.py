@@ -454,3 +454,68 @@ def _config(decode_port: int, prefill_port: int, max_handoffs: int):
         "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": max_handoffs},
         "workers": [{"name": "d", "service": "decode_worker", "role": "both", "port": decode_port, "kv_port": 1},
                     {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": prefill_port}]})
+
+
+class RecordingDecode(HeldWorkers):
+    """A decode worker that records the requests whose KV it was asked to take."""
+
+    def __init__(self, release: asyncio.Event) -> None:
+        super().__init__()
+        self.release = release
+        self.consumed: list[str] = []
+
+    async def Generate(self, request, context):
+        if request.HasField("kv_source"):
+            self.consumed.append(request.request_id)
+        async for message in super().Generate(request, context):
+            yield message
+
+
+def test_a_hand_off_whose_decode_worker_drains_while_it_waits_decodes_elsewhere():
+    """Two decode workers, a prefill worker with one hand-off slot. r0 holds the slot (decoding on d1);
+    r1 waits for it, routed to decode on d2. d2 starts to drain for a role flip: r1 gets the slot and
+    decodes on d1, keeping its place, and d2's drain counts no request of this router as in flight."""
+    async def main():
+        security = GrpcSecurity()
+        release = asyncio.Event()
+        d1, d2, prefill = RecordingDecode(release), RecordingDecode(release), HeldWorkers()
+        prefill.release = release
+        servers = [await _serve(servicer, security) for servicer in (d1, d2, prefill)]
+        config = parse_config({
+            "model": {"name": "m", "path": "/m"},
+            "router": {"stats_interval_s": 0.1, "max_handoffs_per_prefill_worker": 1},
+            "workers": [{"name": "d1", "service": "decode_worker", "role": "both", "port": servers[0][1],
+                         "kv_port": 1},
+                        {"name": "d2", "service": "decode_worker", "role": "both", "port": servers[1][1],
+                         "kv_port": 2},
+                        {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": servers[2][1]}]})
+        metrics = RouterMetrics()
+        pool = WorkerPool(config.workers, config.router, metrics, security=security)
+        for handle in pool.handles:
+            handle.healthy = True
+        dispatcher = Dispatcher(pool, config.router, metrics,
+                                Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
+        try:
+            def request(index: int) -> GenerateInput:
+                return GenerateInput(f"r{index}", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
+
+            first = asyncio.create_task(_collect(dispatcher.generate(request(0))))
+            await asyncio.sleep(0.2)
+            second = asyncio.create_task(_collect(dispatcher.generate(request(1))))
+            await asyncio.sleep(0.2)
+            donor = pool.handle("d2")
+            in_flight_while_waiting = (donor.num_in_flight, donor.num_decodes_awaiting_handoff)
+            donor.draining = True  # as the deciding router sets it when the drain starts
+            release.set()
+            answers = await asyncio.wait_for(asyncio.gather(first, second), timeout=5)
+            return answers, d1.consumed, d2.consumed, in_flight_while_waiting, donor.num_in_flight
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    answers, on_d1, on_d2, in_flight_while_waiting, in_flight_after = asyncio.run(main())
+    assert answers == ["remote", "remote"]
+    assert in_flight_while_waiting == (1, 1)  # routed to d2, waiting for the slot: not at the worker yet
+    assert on_d1 == ["r0", "r1"] and on_d2 == []
+    assert in_flight_after == 0

@@ -201,6 +201,23 @@ def test_the_prefill_queue_counts_the_engine_the_workers_hand_off_queue_and_this
         (1, None), (4, "prefill"), (4, "prefill"), (5, "prefill")]
 
 
+def test_a_drain_does_not_wait_for_requests_that_wait_for_a_hand_off_slot_to_decode_there():
+    """Requests routed to decode on a worker that still wait for their prefill worker's slot move to another
+    decode worker if it drains (Dispatcher), so its in-flight count for a drain leaves them out; what the
+    worker reports as active still counts."""
+    async def body(config, pool, metrics, clock):
+        control = RoleControl(config, pool, metrics, clock=clock)
+        handle = pool.handle("pd-d1")
+        counts = []
+        for in_flight, awaiting, active in ((3, 0, 0), (3, 2, 0), (3, 3, 0), (3, 3, 2)):
+            handle.num_in_flight, handle.num_decodes_awaiting_handoff = in_flight, awaiting
+            handle.stats = WorkerStats(num_active_requests=active)
+            counts.append(next(w for w in control.snapshot().workers if w.name == "pd-d1").num_in_flight)
+        handle.num_in_flight = handle.num_decodes_awaiting_handoff = 0
+        return counts
+    assert run_with_pool({"workers": PD, "scheduler": {"role_flips": FLIPS}}, body, flippable=True) == [3, 1, 0, 2]
+
+
 def test_role_flip_metrics():
     async def body(config, pool, metrics, clock):
         WorkerRoles(pool)

@@ -422,12 +422,7 @@ def test_a_hand_off_refused_by_a_draining_worker_is_prefilled_locally_without_sp
         decode_server, decode_port = await _serve(servicer, security)
         prefill_server, prefill_port = await _serve(servicer, security)
         config = _config(decode_port, prefill_port, 0)
-        metrics = RouterMetrics()
-        pool = WorkerPool(config.workers, config.router, metrics, security=security)
-        for handle in pool.handles:
-            handle.healthy = True
-        dispatcher = Dispatcher(pool, config.router, metrics,
-                                Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
+        pool, metrics, dispatcher = _healthy_router(config, security)
         try:
             poller = asyncio.create_task(pool._poll_forever())
             request = GenerateInput("r", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
@@ -441,6 +436,16 @@ def test_a_hand_off_refused_by_a_draining_worker_is_prefilled_locally_without_sp
     answer, refused, fallbacks = asyncio.run(main())
     assert answer == "local" and fallbacks == 1
     assert refused == 1  # it waited for the next poll, which said the worker drains, instead of asking again
+
+
+def _healthy_router(config, security: GrpcSecurity):
+    """A router's pool (every worker marked healthy, no polling), its metrics and its dispatcher."""
+    metrics = RouterMetrics()
+    pool = WorkerPool(config.workers, config.router, metrics, security=security)
+    for handle in pool.handles:
+        handle.healthy = True
+    return pool, metrics, Dispatcher(pool, config.router, metrics,
+                                     Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
 
 
 async def _collect(deltas) -> str:
@@ -489,12 +494,7 @@ def test_a_hand_off_whose_decode_worker_drains_while_it_waits_decodes_elsewhere(
                         {"name": "d2", "service": "decode_worker", "role": "both", "port": servers[1][1],
                          "kv_port": 2},
                         {"name": "p", "service": "prefill_worker", "cluster": "prfaas", "port": servers[2][1]}]})
-        metrics = RouterMetrics()
-        pool = WorkerPool(config.workers, config.router, metrics, security=security)
-        for handle in pool.handles:
-            handle.healthy = True
-        dispatcher = Dispatcher(pool, config.router, metrics,
-                                Placement(config, pool, metrics, threshold=FixedThreshold(THRESHOLD)))
+        pool, metrics, dispatcher = _healthy_router(config, security)
         try:
             def request(index: int) -> GenerateInput:
                 return GenerateInput(f"r{index}", list(range(1, 2 * THRESHOLD + 1)), Sampling(max_tokens=1))
